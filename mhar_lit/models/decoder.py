@@ -1,0 +1,196 @@
+"""Qwen3/Llama-style decoder LM whose residual connections are a pluggable strategy (pure PyTorch).
+
+Module names follow the Hugging Face layout (embed_tokens, layers.i.self_attn.q_proj, ..., norm, lm_head)
+so that checkpoints map one to one. The depth loop is the same for every residual method:
+
+    state = residual.begin(embed_tokens(ids))
+    for site s = 2l (attention) and 2l+1 (MLP) of every layer l:
+        x     = residual.sublayer_input(state, s)          # what the sublayer reads
+        y     = sublayer_s(pre_norm_s(x))                  # attention or SwiGLU MLP
+        state = residual.sublayer_output(state, s, y)      # what the depth state keeps of it
+    logits = lm_head(norm(residual.final(state)))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from mhar_lit.config import ModelConfig
+from mhar_lit.residual.base import ResidualStrategy
+from mhar_lit.residual.standard import StandardResidual
+
+
+class RMSNorm(nn.Module):
+    """g * cast(x * rsqrt(mean x^2 + eps)): statistic in fp32, cast to storage dtype before the weight (HF)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if not scaling or scaling.get("rope_type", "default") == "default":
+        return inv_freq
+    # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp in between.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inverse_frequencies(cfg), persistent=False)
+
+    def forward(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq.to(device=device, dtype=torch.float32))
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x_BHTD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x_BHTD * cos + _rotate_half(x_BHTD) * sin
+
+
+class Attention(nn.Module):
+    """GQA causal self-attention, optional per-head q/k RMSNorm before RoPE, no biases, SDPA kernel."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x_BTD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, t, _ = x_BTD.shape
+        q = self.q_proj(x_BTD).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = self.num_heads != self.num_kv_heads
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def attention_sublayer(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return self.self_attn(self.input_layernorm(x), cos, sin)
+
+    def mlp_sublayer(self, x: Tensor) -> Tensor:
+        return self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    """Decoder LM; `residual` decides how sublayers are wired across depth (StandardResidual by default)."""
+
+    def __init__(self, config: ModelConfig, residual: Optional[ResidualStrategy] = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+        self.activation_checkpointing = False
+        self.reset_parameters()
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.residual = residual if residual is not None else StandardResidual()
+        self.residual.bind(config)
+
+    def reset_parameters(self) -> None:
+        """N(0, init_std) for every Linear and the embedding (no depth scaling), ones for every RMSNorm."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def _run(self, fn, *args):
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    def hidden_states(self, input_ids: Tensor) -> Tensor:
+        """The final-normed hidden state [B, T, D] (what the LM head reads)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        seq_len = input_ids.shape[1]
+        if seq_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds max_position_embeddings {self.config.max_position_embeddings}"
+            )
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(seq_len, x.device, x.dtype)
+        state = self.residual.begin(x)
+        for index, layer in enumerate(self.layers):
+            site = 2 * index
+            h = self.residual.sublayer_input(state, site)
+            state = self.residual.sublayer_output(state, site, self._run(layer.attention_sublayer, h, cos, sin))
+            h = self.residual.sublayer_input(state, site + 1)
+            state = self.residual.sublayer_output(state, site + 1, self._run(layer.mlp_sublayer, h))
+        return self.norm(self.residual.final(state))
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """Logits [B, T, V]."""
+        return self.lm_head(self.hidden_states(input_ids))
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        total = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            total -= self.embed_tokens.weight.numel()
+            if not self.config.tie_embeddings:
+                total -= self.lm_head.weight.numel()
+        return total

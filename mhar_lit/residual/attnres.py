@@ -1,0 +1,149 @@
+"""Attention residuals over depth: single-head (Kimi, arXiv 2603.15031) and multi-head MHAR (Luo, Cai, Hu 2026).
+
+Full mode (SPEC B, C). No additive stream: every sublayer reads a learned softmax mixture of the embedding
+and all earlier raw sublayer outputs, per head slice:
+
+    S_0 = embedding                       sources: S_0, S_1 = y_0, S_2 = y_1, ...
+    x_s = route(S_0..S_s; q_s, g_s, H)    site s = 0 .. 2L-1 sees s+1 sources
+    y_s = sublayer_s(norm(x_s));  S_{s+1} = y_s
+    final: route(S_0..S_2L; q_2L, g_2L)   a (2L+1)-th site before the final norm
+
+Block mode (SPEC D, Kimi's Block AttnRes). Blocks of `layers_per_block` layers; inside a block the
+outputs are summed into a partial p, across blocks the sublayers route over completed block sums:
+
+    sources at a site = [embedding, B_1, ..., B_{n-1}] + ([p] if the block has produced anything)
+    y = sublayer(norm(x));  p <- p + y;  at a block boundary B_n <- p, p <- nothing
+
+Every site s has a query q_s (zero-initialised: uniform mixing at init) and a key-norm weight g_s (ones),
+both of width d, so the method adds (2L+1) * 2d parameters whatever the number of heads H.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from mhar_lit.config import ModelConfig
+from mhar_lit.residual.base import ResidualStrategy, is_attention_site, layer_of
+from mhar_lit.routing import BACKENDS, check_heads, route, routing_weights
+
+
+class RoutedResidual(ResidualStrategy):
+    """Shared machinery: per-site (query, key_norm) parameters and one routing call."""
+
+    def __init__(self, heads: int = 8, backend: str = "torch", random_query_init: bool = False,
+                 eps: float = 1e-6) -> None:
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown routing backend {backend!r}; expected one of {BACKENDS}")
+        if heads < 1:
+            raise ValueError(f"heads must be >= 1, got {heads}")
+        self.heads = heads
+        self.backend = backend
+        self.random_query_init = random_query_init
+        self.eps = eps
+        self.record_weights = False
+        self.recorded: dict[int, Tensor] = {}
+
+    def num_routing_sites(self, config: ModelConfig) -> int:
+        return 2 * config.num_layers + 1
+
+    def build(self, config: ModelConfig) -> None:
+        check_heads(config.hidden_size, self.heads)
+        sites, width = self.num_routing_sites(config), config.hidden_size
+        self.query = nn.Parameter(torch.empty(sites, width))
+        self.key_norm = nn.Parameter(torch.empty(sites, width))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            if self.random_query_init:  # the legacy [P1] init, kept for ablations
+                nn.init.normal_(self.query, std=self.model_config.init_std)
+            else:
+                self.query.zero_()
+            self.key_norm.fill_(1.0)
+
+    def no_decay_parameter_names(self) -> set[str]:
+        return {"key_norm"}
+
+    def route_sources(self, sources: list[Tensor], site: int) -> Tensor:
+        stacked = torch.stack(sources) if len(sources) > 1 else sources[0].unsqueeze(0)
+        if self.record_weights:
+            with torch.no_grad():
+                weights = routing_weights(stacked, self.query[site], self.key_norm[site], self.heads, self.eps)
+                self.recorded[site] = weights.mean(dim=(1, 2)).float().cpu()  # [N, H], token average
+        return route(stacked, self.query[site], self.key_norm[site], self.heads, self.eps, self.backend)
+
+    @property
+    def final_site(self) -> int:
+        return 2 * self.model_config.num_layers
+
+
+class FullAttnRes(RoutedResidual):
+    """Full attention residuals over the embedding and every raw sublayer output. heads=1: single-head."""
+
+    def begin(self, embedding: Tensor) -> list[Tensor]:
+        return [embedding]
+
+    def sublayer_input(self, state: list[Tensor], site: int) -> Tensor:
+        if len(state) != site + 1:
+            raise RuntimeError(f"site {site} expected {site + 1} sources, found {len(state)}")
+        return self.route_sources(state, site)
+
+    def sublayer_output(self, state: list[Tensor], site: int, output: Tensor) -> list[Tensor]:
+        state.append(output)
+        return state
+
+    def final(self, state: list[Tensor]) -> Tensor:
+        return self.route_sources(state, self.final_site)
+
+
+class _BlockState:
+    __slots__ = ("blocks", "partial")
+
+    def __init__(self, embedding: Tensor) -> None:
+        self.blocks: list[Tensor] = [embedding]
+        self.partial: Optional[Tensor] = None
+
+    def sources(self) -> list[Tensor]:
+        return self.blocks + ([self.partial] if self.partial is not None else [])
+
+
+class BlockAttnRes(RoutedResidual):
+    """Block attention residuals: additive inside blocks of `layers_per_block` layers, routed across blocks.
+
+    Blocks are counted in transformer layers and must tile the depth exactly (no ceil rule): a depth that
+    is not a multiple of `layers_per_block` is a ValueError naming both numbers.
+    """
+
+    def __init__(self, heads: int = 8, layers_per_block: int = 2, backend: str = "torch",
+                 random_query_init: bool = False, eps: float = 1e-6) -> None:
+        super().__init__(heads=heads, backend=backend, random_query_init=random_query_init, eps=eps)
+        if layers_per_block < 1:
+            raise ValueError(f"layers_per_block must be >= 1, got {layers_per_block}")
+        self.layers_per_block = layers_per_block
+
+    def build(self, config: ModelConfig) -> None:
+        if config.num_layers % self.layers_per_block != 0:
+            raise ValueError(
+                f"num_layers {config.num_layers} is not divisible by layers_per_block {self.layers_per_block}"
+            )
+        super().build(config)
+
+    def begin(self, embedding: Tensor) -> _BlockState:
+        return _BlockState(embedding)
+
+    def sublayer_input(self, state: _BlockState, site: int) -> Tensor:
+        layer = layer_of(site)
+        if is_attention_site(site) and layer > 0 and layer % self.layers_per_block == 0:
+            state.blocks.append(state.partial)  # the previous block is complete
+            state.partial = None
+        return self.route_sources(state.sources(), site)
+
+    def sublayer_output(self, state: _BlockState, site: int, output: Tensor) -> _BlockState:
+        state.partial = output if state.partial is None else state.partial + output
+        return state
+
+    def final(self, state: _BlockState) -> Tensor:
+        return self.route_sources(state.sources(), self.final_site)

@@ -1,0 +1,97 @@
+"""Depth routing: the one op every attention-residual strategy calls.
+
+route(sources, query, norm_weight, heads) mixes N source rows per position with H independent softmaxes
+over depth (SPEC sections B and C):
+
+    k_n        = round_storage(S_n * r(S_n)) * g          r = rsqrt(mean_d S_n^2 + eps), over the FULL width d
+    logit[n,h] = < q_[h], k_n,[h] >                         no temperature
+    alpha[.,h] = softmax_n logit[., h]                      H softmaxes, one per head slice
+    out_[h]    = sum_n alpha[n,h] * S_n,[h]                 values are the unnormalised sources
+
+Logits, softmax and accumulation run in fp32 (or fp64 for fp64 inputs) whatever the storage dtype; the
+result is cast back to the storage dtype. H = 1 is single-head attention residuals (Kimi).
+
+Backends: "torch" (this file, the reference every kernel is tested against) and "triton" (the fused
+kernels in mhar_lit.kernels, imported lazily so `import mhar_lit` never needs triton).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+BACKENDS = ("torch", "triton")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for every storage dtype below fp32, fp64 stays fp64 (for gradcheck)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def check_heads(width: int, heads: int) -> None:
+    if heads < 1:
+        raise ValueError(f"routing heads must be >= 1, got {heads}")
+    if width % heads != 0:
+        raise ValueError(f"hidden size {width} is not divisible by the number of routing heads {heads}")
+
+
+def _check_route_args(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int) -> None:
+    if sources.dim() != 4:
+        raise ValueError(f"sources must be [N, B, T, D], got shape {tuple(sources.shape)}")
+    if sources.shape[0] < 1:
+        raise ValueError("route needs at least one source (N >= 1)")
+    width = sources.shape[-1]
+    if query.shape != (width,) or norm_weight.shape != (width,):
+        raise ValueError(
+            f"query {tuple(query.shape)} and norm_weight {tuple(norm_weight.shape)} must both be ({width},)"
+        )
+    check_heads(width, heads)
+
+
+def routing_logits(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
+    """Raw routing logits [N, B, T, H] in the compute dtype (reference math, see module docstring)."""
+    n, b, t, d = sources.shape
+    ctype = compute_dtype(sources.dtype)
+    v = sources.to(ctype)
+    inv_rms = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    keys = (v * inv_rms).to(sources.dtype).to(ctype) * norm_weight.to(ctype)
+    q_HK = query.to(ctype).view(heads, d // heads)
+    return (keys.view(n, b, t, heads, d // heads) * q_HK).sum(-1)
+
+
+def routing_weights(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
+    """Softmax-over-depth weights alpha [N, B, T, H] (compute dtype); used by monitors and the probe."""
+    _check_route_args(sources, query, norm_weight, heads)
+    return routing_logits(sources, query, norm_weight, heads, eps).softmax(dim=0)
+
+
+def route_reference(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
+    """Eager PyTorch routing; autograd does the backward. Ground truth for every other backend."""
+    n, b, t, d = sources.shape
+    weights_NBTH = routing_logits(sources, query, norm_weight, heads, eps).softmax(dim=0)
+    values = sources.to(weights_NBTH.dtype).view(n, b, t, heads, d // heads)
+    mixed_BTHK = (weights_NBTH.unsqueeze(-1) * values).sum(0)
+    return mixed_BTHK.reshape(b, t, d).to(sources.dtype)
+
+
+def route(
+    sources: Tensor,
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    eps: float = 1e-6,
+    backend: str = "torch",
+) -> Tensor:
+    """Multi-head depth routing. sources [N, B, T, D], query and norm_weight [D] -> [B, T, D].
+
+    backend="torch" runs the reference; backend="triton" the fused kernels (CUDA, or the Triton
+    interpreter with TRITON_INTERPRET=1). An unknown backend is an error, never a silent fallback.
+    """
+    _check_route_args(sources, query, norm_weight, heads)
+    if backend == "torch":
+        return route_reference(sources, query, norm_weight, heads, eps)
+    if backend == "triton":
+        from mhar_lit.kernels.routing_triton import route_triton
+
+        return route_triton(sources, query, norm_weight, heads, eps)
+    raise ValueError(f"unknown routing backend {backend!r}; expected one of {BACKENDS}")
