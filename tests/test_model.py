@@ -1,0 +1,303 @@
+"""Decoder + residual strategies: parity with transformers, identity at init, causality, parameter counts."""
+
+import copy
+
+import pytest
+import torch
+
+from mhar_lit.config import ModelConfig
+from mhar_lit.models.decoder import DecoderLM
+from mhar_lit.residual import (
+    BlockAttnRes,
+    DeltaAttnRes,
+    FullAttnRes,
+    HyperConnections,
+    StandardResidual,
+)
+
+
+def tiny(**overrides):
+    return ModelConfig.from_name("tiny-4l", **overrides)
+
+
+def ids(cfg, b=2, t=12, seed=0):
+    return torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def same_weights(strategy, base, cfg):
+    """A model with `strategy`, carrying `base`'s transformer weights (strategy params keep their init)."""
+    torch.manual_seed(123)
+    model = DecoderLM(cfg, strategy)
+    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("residual.") for k in missing)
+    return model
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_standard_matches_transformers_qwen3(tie):
+    """Standard strategy == transformers Qwen3ForCausalLM logits on a tiny fp32 model (max abs diff <= 1e-5)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny(tie_embeddings=tie)
+    hf_cfg = transformers.Qwen3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=tie, attention_bias=False, rope_theta=cfg.rope_theta,
+    )
+    hf_cfg.rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(hf_cfg).eval()
+    ours = DecoderLM(cfg).eval()
+    state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    ours.load_state_dict(state, strict=False)
+    for name, p in ours.named_parameters():  # every parameter came from the HF model
+        torch.testing.assert_close(p, state[name], rtol=0, atol=0)
+    x = ids(cfg, t=16)
+    with torch.no_grad():
+        diff = (ours(x) - hf(x).logits).abs().max().item()
+    assert diff <= 1e-5, diff
+
+
+def test_hyper_connections_equal_standard_at_init():
+    """Zhu et al. HC (static and dynamic, n=4) equals the standard residual at init up to the final-norm eps.
+
+    The collapse sums the n equal streams, and RMSNorm(n h; eps) == RMSNorm(h; eps / n^2): so the exact
+    counterpart is the standard model whose final norm uses eps / 16. (With init std 0.02 the tiny model's
+    hidden states have mean square ~1e-3, where eps = 1e-6 itself moves logits by ~1e-4.)
+    """
+    cfg = tiny()
+    base = DecoderLM(cfg).eval()
+    x = ids(cfg)
+    with torch.no_grad():
+        base.norm.eps = cfg.rms_norm_eps / 16
+        ref = base(x)
+        base.norm.eps = cfg.rms_norm_eps
+        for dynamic in (False, True):
+            model = same_weights(HyperConnections(streams=4, dynamic=dynamic), base, cfg).eval()
+            assert (model(x) - ref).abs().max().item() <= 1e-5
+
+
+def test_mhar_code_hc_variant_is_not_identity():
+    """The authors' HC variant (SPEC F.2) is, as documented, not the standard residual at init."""
+    cfg = tiny()
+    base = DecoderLM(cfg).eval()
+    model = same_weights(HyperConnections(dynamic=False, variant="mhar_code"), base, cfg).eval()
+    x = ids(cfg)
+    with torch.no_grad():
+        assert (model(x) - base(x)).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_delta_equals_standard_exactly_at_init(legacy):
+    """Delta attention residuals at init (gates 0): logits bit-identical to the standard model in fp32."""
+    cfg = tiny()
+    base = DecoderLM(cfg).eval()
+    model = same_weights(DeltaAttnRes(heads=4, layers_per_block=2, legacy_block_delta=legacy), base, cfg).eval()
+    x = ids(cfg)
+    with torch.no_grad():
+        assert (model(x) - base(x)).abs().max().item() == 0.0
+
+
+def test_delta_step0_gradients_follow_spec():
+    """At step 0 gates get gradient; queries, key norms and null sources get exactly zero (SPEC E)."""
+    cfg = tiny()
+    model = DecoderLM(cfg, DeltaAttnRes(heads=4, layers_per_block=2))
+    x = ids(cfg)
+    torch.nn.functional.cross_entropy(model(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten()).backward()
+    r = model.residual
+    assert r.gate.grad[1:].abs().min() > 0  # site 0 sees only the null source, whose mix is z = 0
+    for p in (r.query, r.key_norm, r.null):
+        assert p.grad.abs().max() == 0
+
+
+def test_delta_block_bookkeeping():
+    """Clean deltas vs the legacy telescoping entries on a 4-layer model with 1-layer blocks."""
+    cfg = tiny()
+    for legacy in (False, True):
+        strat = DeltaAttnRes(heads=2, layers_per_block=1, legacy_block_delta=legacy)
+        strat.bind(cfg)
+        h = [torch.randn(1, 1, cfg.hidden_size) for _ in range(4)]  # stream at the start of layers 0..3
+        state = strat.begin(h[0])
+        seen = []
+        strat.route_sources = lambda sources, site: seen.append((site, [s.clone() for s in sources])) or sources[0]
+        for layer in range(4):
+            state.stream = h[layer]
+            for site in (2 * layer, 2 * layer + 1):
+                strat.sublayer_input(state, site)
+        deltas = seen[-1][1][1:]  # last site, minus the null source
+        if legacy:
+            expected = [h[0], h[1] - h[0], h[2] - (h[1] - h[0]), h[3] - (h[2] - (h[1] - h[0]))]
+        else:
+            expected = [h[0], h[1] - h[0], h[2] - h[1], h[3] - h[2]]
+        for got, want in zip(deltas, expected):
+            torch.testing.assert_close(got, want)
+        counts = [len(s) for _, s in seen]
+        assert counts == [1, 2, 2, 3, 3, 4, 4, 5]  # null + deltas; a block's delta lands after its attention
+
+
+def test_block_mode_sources_hand_computed():
+    """Block AttnRes, L=4, 2 layers per block: exact sources of every site and the final site."""
+    cfg = tiny()
+    strat = BlockAttnRes(heads=2, layers_per_block=2)
+    strat.bind(cfg)
+    e = torch.randn(1, 1, cfg.hidden_size)
+    y = [torch.randn(1, 1, cfg.hidden_size) for _ in range(8)]
+    seen = {}
+    strat.route_sources = lambda sources, site: seen.setdefault(site, [s.clone() for s in sources])[0]
+    state = strat.begin(e)
+    for s in range(8):
+        strat.sublayer_input(state, s)
+        strat.sublayer_output(state, s, y[s])
+    strat.final(state)
+    b1 = y[0] + y[1] + y[2] + y[3]
+    expected = {
+        0: [e], 1: [e, y[0]], 2: [e, y[0] + y[1]], 3: [e, y[0] + y[1] + y[2]],
+        4: [e, b1], 5: [e, b1, y[4]], 6: [e, b1, y[4] + y[5]], 7: [e, b1, y[4] + y[5] + y[6]],
+        8: [e, b1, y[4] + y[5] + y[6] + y[7]],
+    }
+    assert sorted(seen) == sorted(expected)
+    for site, want in expected.items():
+        assert len(seen[site]) == len(want), site
+        for got, w in zip(seen[site], want):
+            torch.testing.assert_close(got, w)
+
+
+def test_full_mode_sources_and_uniform_init():
+    """Full mode routes over [emb, y_0..y_{s-1}]; with zero queries every site is the uniform mean."""
+    cfg = tiny()
+    strat = FullAttnRes(heads=4)
+    strat.bind(cfg)
+    e = torch.randn(2, 3, cfg.hidden_size)
+    state = strat.begin(e)
+    ys = []
+    for s in range(2 * cfg.num_layers):
+        x = strat.sublayer_input(state, s)
+        torch.testing.assert_close(x, torch.stack([e, *ys]).mean(0))
+        ys.append(torch.randn_like(e))
+        strat.sublayer_output(state, s, ys[-1])
+    torch.testing.assert_close(strat.final(state), torch.stack([e, *ys]).mean(0))
+
+
+def test_block_depth_not_divisible_is_value_error():
+    with pytest.raises(ValueError, match="num_layers 4 is not divisible by layers_per_block 3"):
+        DecoderLM(tiny(), BlockAttnRes(heads=2, layers_per_block=3))
+    with pytest.raises(ValueError, match="num_layers 4 is not divisible by layers_per_block 3"):
+        DecoderLM(tiny(), DeltaAttnRes(heads=2, layers_per_block=3))
+
+
+def test_heads_not_dividing_width_is_value_error():
+    with pytest.raises(ValueError, match="hidden size 64 is not divisible by the number of routing heads 6"):
+        DecoderLM(tiny(), FullAttnRes(heads=6))
+
+
+STRATEGIES = {
+    "standard": lambda: StandardResidual(),
+    "hc-static": lambda: HyperConnections(dynamic=False),
+    "hc-dynamic": lambda: HyperConnections(dynamic=True),
+    "hc-mhar-code": lambda: HyperConnections(dynamic=False, variant="mhar_code"),
+    "single-head": lambda: FullAttnRes(heads=1, random_query_init=True),
+    "mhar": lambda: FullAttnRes(heads=4, random_query_init=True),
+    "block": lambda: BlockAttnRes(heads=4, layers_per_block=2, random_query_init=True),
+    "delta": lambda: DeltaAttnRes(heads=4, layers_per_block=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_causality(name):
+    """Changing a future token never changes a past logit, for every strategy."""
+    cfg = tiny()
+    torch.manual_seed(0)
+    model = DecoderLM(cfg, STRATEGIES[name]()).eval()
+    if isinstance(model.residual, DeltaAttnRes):  # open the gates so routing actually matters
+        with torch.no_grad():
+            model.residual.gate.fill_(0.5)
+            model.residual.query.normal_()
+    x = ids(cfg, b=1, t=10)
+    x2 = x.clone()
+    x2[0, 6] = (x2[0, 6] + 1) % cfg.vocab_size
+    with torch.no_grad():
+        a, b = model(x), model(x2)
+    assert (a[:, :6] - b[:, :6]).abs().max().item() == 0.0
+    assert (a[:, 6:] - b[:, 6:]).abs().max().item() > 0
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_backward_reaches_every_parameter(name):
+    """One loss.backward() gives finite gradients for all parameters of every strategy."""
+    cfg = tiny()
+    torch.manual_seed(0)
+    model = DecoderLM(cfg, STRATEGIES[name]())
+    x = ids(cfg)
+    torch.nn.functional.cross_entropy(model(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten()).backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+
+
+def test_extra_parameter_counts_match_spec():
+    """(2L+1)*2d for full/block routing at any H; 6d+2 per layer for delta; 24 or more per site for HC."""
+    for name, d, layers, expected in (("350M", 1024, 24, 100_352), ("1B", 1280, 36, 186_880)):
+        cfg = ModelConfig.from_name(name, vocab_size=8)  # the vocabulary does not change the count
+        for heads in (1, 4, 8, 16):
+            strat = FullAttnRes(heads=heads)
+            strat.bind(cfg)
+            assert strat.num_extra_parameters() == expected == (2 * layers + 1) * 2 * d
+        block = BlockAttnRes(heads=8, layers_per_block=layers // 6)
+        block.bind(cfg)
+        assert block.num_extra_parameters() == expected
+    llama = ModelConfig.from_name("llama-3.1-8b", vocab_size=8)
+    delta = DeltaAttnRes(heads=8, layers_per_block=4)
+    delta.bind(llama)
+    assert delta.num_extra_parameters() == 32 * (6 * 4096 + 2) == 786_496  # "about 0.79M"
+    cfg = ModelConfig.from_name("100M", vocab_size=8)
+    shc, dhc = HyperConnections(dynamic=False), HyperConnections(dynamic=True)
+    shc.bind(cfg)
+    dhc.bind(cfg)
+    assert shc.num_extra_parameters() == 24 * 24  # n^2 + 2n = 24 per sublayer, 24 sublayers
+    assert dhc.num_extra_parameters() == 24 * (24 + 512 * 6 + 512 + 2)
+
+
+def test_mhar_parameter_count_identical_for_every_heads():
+    cfg = tiny()
+    counts = {h: DecoderLM(cfg, FullAttnRes(heads=h)).num_parameters() for h in (1, 2, 4, 8, 16)}
+    assert len(set(counts.values())) == 1, counts
+
+
+def test_named_sizes_match_paper_parameter_counts():
+    """Total / non-embedding parameters of the standard model (SPEC A table, ~116M/38M, ~533M/377M, ~1.08B/885M)."""
+    expected = {"100M": (116e6, 38e6), "350M": (533e6, 377e6), "1B": (1.08e9, 885e6)}
+    for name, (total, non_emb) in expected.items():
+        with torch.device("meta"):
+            model = DecoderLM(ModelConfig.from_name(name))
+        assert abs(model.num_parameters() / total - 1) < 0.01, name
+        assert abs(model.num_parameters(non_embedding=True) / non_emb - 1) < 0.01, name
+
+
+def test_config_validation_and_round_trip():
+    cfg = ModelConfig.from_name("1B")
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown model size"):
+        ModelConfig.from_name("3B")
+    with pytest.raises(ValueError, match="num_heads 6 is not divisible by num_kv_heads 4"):
+        ModelConfig(hidden_size=96, num_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match="unknown model config keys"):
+        ModelConfig.from_dict({"hidden": 3})
+
+
+def test_strategy_cannot_be_bound_twice():
+    strat = FullAttnRes(heads=2)
+    DecoderLM(tiny(), strat)
+    with pytest.raises(RuntimeError, match="already bound"):
+        DecoderLM(tiny(), strat)
+
+
+def test_activation_checkpointing_gives_same_gradients():
+    cfg = tiny()
+    torch.manual_seed(0)
+    model = DecoderLM(cfg, FullAttnRes(heads=4, random_query_init=True))
+    clone = copy.deepcopy(model)
+    clone.activation_checkpointing = True
+    x = ids(cfg)
+    for m in (model, clone):
+        torch.nn.functional.cross_entropy(m(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten()).backward()
+    for (n, a), (_, b) in zip(model.named_parameters(), clone.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=n)
