@@ -1,0 +1,8 @@
+"""Triton kernels for depth routing.
+
+- routing_triton.route_triton: the per-call fused op behind route(..., backend="triton").
+- full_routing.FullRouting: chunked cross-site reuse for full mode (one shared source buffer per forward
+  pass; used by FullAttnRes when backend="triton").
+
+Import needs triton; the interpreter (TRITON_INTERPRET=1) must be selected before this package is imported.
+"""

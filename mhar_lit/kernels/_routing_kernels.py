@@ -1,0 +1,288 @@
+"""Triton kernels for multi-head depth routing (math: mhar_lit/routing.py, SPEC B, C, I).
+
+Layout. Every routed tensor is a stack of rows [rows, P, D] with P = B*T positions, row-major, contiguous.
+Head h owns columns [h*K, (h+1)*K), K = D/H. Tiles are padded to powers of two (K_P, H_P) and masked.
+
+Two kinds of programs:
+- full-row programs (`_site_fwd_kernel`, `_site_bwd_kernel`) hold a [BLOCK_T, H_P, K_P] tile: they can take
+  the RMS statistic of a row themselves, and they own the cross-head coupling term of the RMSNorm backward;
+- per-head programs (`_prefix_fwd_kernel`, `_suffix_bwd_kernel`) hold [.., BLOCK_T, K_P] tiles of one head,
+  so tokens x heads tile independently; they read the per-row statistic r [rows, P] precomputed when the
+  row was first seen. These carry the O(L^2) traffic of full mode and reuse each row read across several
+  routing sites (KERNELS.md, "reuse each source read across several sites").
+
+Math per (site s, source n, position, head h), with w = q_s * g_s folded in the compute dtype ACC:
+    kr      = round_storage(v_n * r_n)                  the reference's key rounding, before g
+    logit   = <kr_[h], w_[h]>
+    alpha   = exp(logit - lse_s)                        lse saved by the forward: [P, H] per site
+    gdot    = <dout_s,[h], v_n,[h]>;  S_s = <dout_s,[h], out_s,[h]>
+    dl      = alpha * (gdot - S_s)                      softmax backward
+    dv_n   += alpha * dout_s + r_n * dl * w             value path + per-head key path
+    c_n    += dl * logit                                coupling, summed over heads before use:
+    dv_n   -= r_n^2 / D * (sum_h c_n) * v_n             RMSNorm backward through r (rounding as identity)
+    A_s    += dl * kr                                   then dq_s = A_s * g_s, dg_s = A_s * q_s (host)
+
+No atomics: A is written as per-program partials and reduced on the host in a fixed order.
+ACC is a constexpr (tl.float32, or tl.float64 so that float64 gradcheck runs in the interpreter).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rsqrt_mean_square(v, D, eps):
+    """Per-token inverse RMS of a [BLOCK_T, H_P, K_P] tile over the full width D."""
+    sq = tl.sum(tl.sum(v * v, axis=2), axis=1)
+    return 1.0 / tl.sqrt(sq / D + eps)
+
+
+@triton.jit
+def _site_fwd_kernel(
+    rows_ptr, r_ptr, new_ptr, w_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
+    row_lo, row_hi, new_row, site, state_slot, P, D, H, K, eps,
+    HAS_INIT: tl.constexpr, HAS_NEW: tl.constexpr, INLINE_R: tl.constexpr,
+    BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+):
+    """One site, full rows: online softmax over rows [row_lo, row_hi) (+ one new row), write out and lse.
+
+    HAS_INIT: start from a prefix state slot (m, l [slots, P, H]; acc [slots, P, D], acc relative to m).
+    HAS_NEW: the newest source comes from new_ptr [P, D]; its statistic is computed here and it is copied
+             into rows_ptr[new_row] and r_ptr[new_row] (the shared buffer's append, fused).
+    INLINE_R: compute each row's statistic here and store it into r_ptr (per-call path), else load it.
+    """
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.arange(0, H_P)
+    offs_k = tl.arange(0, K_P)
+    mask_t = offs_t < P
+    mask_hk = (offs_h[:, None] < H) & (offs_k[None, :] < K)
+    col_HK = offs_h[:, None] * K + offs_k[None, :]
+    tile = offs_t[:, None, None].to(tl.int64) * D + col_HK[None, :, :]
+    mask = mask_t[:, None, None] & mask_hk[None, :, :]
+    mask_th = mask_t[:, None] & (offs_h[None, :] < H)
+    th = offs_t[:, None].to(tl.int64) * H + offs_h[None, :]
+    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
+    store_ty = rows_ptr.dtype.element_ty
+
+    w_HK = tl.load(w_ptr + site * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
+    if HAS_INIT:
+        m = tl.load(m_ptr + state_slot * P * H + th, mask=mask_th, other=0.0).to(ACC)
+        l = tl.load(l_ptr + state_slot * P * H + th, mask=mask_th, other=1.0).to(ACC)
+        acc = tl.load(acc_ptr + state_slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
+    else:
+        m = tl.full([BLOCK_T, H_P], float("-inf"), ACC)
+        l = tl.zeros([BLOCK_T, H_P], ACC)
+        acc = tl.zeros([BLOCK_T, H_P, K_P], ACC)
+
+    for n in range(row_lo, row_hi):
+        v = tl.load(rows_ptr + n * row_stride + tile, mask=mask, other=0.0).to(ACC)
+        if INLINE_R:
+            r = _rsqrt_mean_square(v, D, eps)
+            tl.store(r_ptr + n * P + offs_t, r, mask=mask_t)
+        else:
+            r = tl.load(r_ptr + n * P + offs_t, mask=mask_t, other=0.0).to(ACC)
+        m, l, acc = _online_update(v, r, w_HK, m, l, acc, store_ty)
+
+    if HAS_NEW:
+        v_raw = tl.load(new_ptr + tile, mask=mask, other=0.0)
+        tl.store(rows_ptr + new_row * row_stride + tile, v_raw, mask=mask)
+        v = v_raw.to(ACC)
+        r = _rsqrt_mean_square(v, D, eps)
+        tl.store(r_ptr + new_row * P + offs_t, r, mask=mask_t)
+        m, l, acc = _online_update(v, r, w_HK, m, l, acc, store_ty)
+
+    out = acc / l[:, :, None]
+    tl.store(out_ptr + tile, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + th, m + tl.log(l), mask=mask_th)
+
+
+@triton.jit
+def _online_update(v, r, w_HK, m, l, acc, store_ty: tl.constexpr):
+    """Fold one source row (full-row tile) into the running softmax state of one site."""
+    kr = (v * r[:, None, None]).to(store_ty).to(v.dtype)
+    logit = tl.sum(kr * w_HK[None, :, :], axis=2)  # [BLOCK_T, H_P]
+    m_new = tl.maximum(m, logit)
+    scale = tl.exp(m - m_new)
+    p = tl.exp(logit - m_new)
+    l = l * scale + p
+    acc = acc * scale[:, :, None] + p[:, :, None] * v
+    return m_new, l, acc
+
+
+@triton.jit
+def _prefix_fwd_kernel(
+    rows_ptr, r_ptr, w_ptr, m_ptr, l_ptr, acc_ptr,
+    n_rows, site_lo, n_sites, P, D, H, K,
+    C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+):
+    """Prefix pass of a chunk, one head: every row in [0, n_rows) is read once and scored against the C
+    sites [site_lo, site_lo + n_sites); writes each site's (m, l, acc) state into slots 0..n_sites-1."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, K_P)
+    offs_c = tl.arange(0, C_P)
+    mask_t = offs_t < P
+    mask_k = offs_k < K
+    mask_c = offs_c < n_sites
+    col = h * K + offs_k
+    tile_TK = offs_t[:, None].to(tl.int64) * D + col[None, :]
+    mask_TK = mask_t[:, None] & mask_k[None, :]
+    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
+    store_ty = rows_ptr.dtype.element_ty
+
+    w_CK = tl.load(w_ptr + (site_lo + offs_c)[:, None] * D + col[None, :],
+                   mask=mask_c[:, None] & mask_k[None, :], other=0.0).to(ACC)
+    m = tl.full([C_P, BLOCK_T], float("-inf"), ACC)
+    l = tl.zeros([C_P, BLOCK_T], ACC)
+    acc = tl.zeros([C_P, BLOCK_T, K_P], ACC)
+    for n in range(0, n_rows):
+        v = tl.load(rows_ptr + n * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC)
+        r = tl.load(r_ptr + n * P + offs_t, mask=mask_t, other=0.0).to(ACC)
+        kr = (v * r[:, None]).to(store_ty).to(ACC)
+        logit = tl.sum(kr[None, :, :] * w_CK[:, None, :], axis=2)  # [C_P, BLOCK_T]
+        m_new = tl.maximum(m, logit)
+        scale = tl.exp(m - m_new)
+        p = tl.exp(logit - m_new)
+        l = l * scale + p
+        acc = acc * scale[:, :, None] + p[:, :, None] * v[None, :, :]
+        m = m_new
+
+    mask_CT = mask_c[:, None] & mask_t[None, :]
+    ct = offs_c[:, None].to(tl.int64) * P + offs_t[None, :]
+    tl.store(m_ptr + ct * H + h, m, mask=mask_CT)
+    tl.store(l_ptr + ct * H + h, l, mask=mask_CT)
+    acc_off = offs_c[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
+    tl.store(acc_ptr + acc_off, acc, mask=mask_CT[:, :, None] & mask_k[None, None, :])
+
+
+@triton.jit
+def _pair_bwd(v, kr, r, dout, w_HK, lse, S, dv, c):
+    """Backward of one (site, source) pair on full-row tiles; returns dv, c and this pair's A tile [H_P, K_P]."""
+    logit = tl.sum(kr * w_HK[None, :, :], axis=2)  # [BLOCK_T, H_P]
+    alpha = tl.exp(logit - lse)
+    gdot = tl.sum(dout * v, axis=2)
+    dl = alpha * (gdot - S)
+    dv += alpha[:, :, None] * dout + (dl * r[:, None])[:, :, None] * w_HK[None, :, :]
+    c += tl.sum(dl * logit, axis=1)
+    a_HK = tl.sum(dl[:, :, None] * kr, axis=0)
+    return dv, c, a_HK
+
+
+@triton.jit
+def _site_bwd_kernel(
+    rows_ptr, r_ptr, w_ptr, lse_ptr, S_ptr, dout_buf_ptr, dout_new_ptr, out_new_ptr,
+    part_dv_ptr, part_c_ptr, dsrc_ptr, a_new_ptr, a_other_ptr,
+    n_lo, n_hi, new_site, other_lo, other_hi, part_slot, P, D, H, K,
+    HAS_INIT: tl.constexpr, STORE_NEW: tl.constexpr,
+    BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+):
+    """Backward, full rows. Sources [n_lo, n_hi) against the newest site `new_site` (its dout and output come
+    from dout_new_ptr/out_new_ptr; S = <dout, out> per head is computed here) and the older sites
+    [other_lo, other_hi) whose dout/S already sit in dout_buf/S. Writes the finished source gradients
+    dsrc[n - n_lo] (storage dtype), the new site's A partial a_new[pid] (summed over the sources) and the
+    older sites' A partials a_other[s - other_lo, pid] (only with one source: asserted on the host).
+    HAS_INIT adds the suffix pass's partial (dv, c) of slot part_slot; STORE_NEW appends dout and S of the
+    new site to dout_buf/S for the later passes.
+    """
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.arange(0, H_P)
+    offs_k = tl.arange(0, K_P)
+    mask_t = offs_t < P
+    mask_hk = (offs_h[:, None] < H) & (offs_k[None, :] < K)
+    col_HK = offs_h[:, None] * K + offs_k[None, :]
+    tile = offs_t[:, None, None].to(tl.int64) * D + col_HK[None, :, :]
+    mask = mask_t[:, None, None] & mask_hk[None, :, :]
+    mask_th = mask_t[:, None] & (offs_h[None, :] < H)
+    th = offs_t[:, None].to(tl.int64) * H + offs_h[None, :]
+    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
+    store_ty = rows_ptr.dtype.element_ty
+
+    dout_new_raw = tl.load(dout_new_ptr + tile, mask=mask, other=0.0)
+    dout_new = dout_new_raw.to(ACC)
+    out_new = tl.load(out_new_ptr + tile, mask=mask, other=0.0).to(ACC)
+    S_new = tl.sum(dout_new * out_new, axis=2)
+    if STORE_NEW:
+        tl.store(dout_buf_ptr + new_site * row_stride + tile, dout_new_raw, mask=mask)
+        tl.store(S_ptr + new_site * P * H + th, S_new, mask=mask_th)
+    w_new = tl.load(w_ptr + new_site * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
+    lse_new = tl.load(lse_ptr + new_site * P * H + th, mask=mask_th, other=0.0)
+
+    a_new = tl.zeros([H_P, K_P], ACC)
+    for n in range(n_lo, n_hi):
+        v = tl.load(rows_ptr + n * row_stride + tile, mask=mask, other=0.0).to(ACC)
+        r = tl.load(r_ptr + n * P + offs_t, mask=mask_t, other=0.0).to(ACC)
+        kr = (v * r[:, None, None]).to(store_ty).to(ACC)
+        if HAS_INIT:
+            dv = tl.load(part_dv_ptr + part_slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
+            c = tl.sum(tl.load(part_c_ptr + part_slot * P * H + th, mask=mask_th, other=0.0).to(ACC), axis=1)
+        else:
+            dv = tl.zeros([BLOCK_T, H_P, K_P], ACC)
+            c = tl.zeros([BLOCK_T], ACC)
+        dv, c, a_HK = _pair_bwd(v, kr, r, dout_new, w_new, lse_new, S_new, dv, c)
+        a_new += a_HK
+        for s in range(other_lo, other_hi):
+            dout = tl.load(dout_buf_ptr + s * row_stride + tile, mask=mask, other=0.0).to(ACC)
+            w_HK = tl.load(w_ptr + s * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
+            lse = tl.load(lse_ptr + s * P * H + th, mask=mask_th, other=0.0)
+            S = tl.load(S_ptr + s * P * H + th, mask=mask_th, other=0.0)
+            dv, c, a_HK = _pair_bwd(v, kr, r, dout, w_HK, lse, S, dv, c)
+            tl.store(a_other_ptr + ((s - other_lo) * tl.num_programs(0) + pid) * D + col_HK, a_HK, mask=mask_hk)
+        dv -= (r * r * c / D)[:, None, None] * v
+        tl.store(dsrc_ptr + (n - n_lo) * row_stride + tile, dv.to(dsrc_ptr.dtype.element_ty), mask=mask)
+    tl.store(a_new_ptr + pid * D + col_HK, a_new, mask=mask_hk)
+
+
+@triton.jit
+def _suffix_bwd_kernel(
+    rows_ptr, r_ptr, w_ptr, lse_ptr, S_ptr, dout_buf_ptr, part_dv_ptr, part_c_ptr, a_ptr,
+    n_lo, n_src, s_lo, s_hi, P, D, H, K,
+    G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+):
+    """Suffix pass of a source group, one head: the group's rows [n_lo, n_lo + n_src) stay in registers while
+    every later site [s_lo, s_hi) is read once; writes the group's partial (dv, c) and each site's A partial
+    a[s - s_lo, pid_t, head columns]. Every pair is causal (all sites come after all sources)."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, K_P)
+    offs_g = tl.arange(0, G_P)
+    mask_t = offs_t < P
+    mask_k = offs_k < K
+    mask_g = offs_g < n_src
+    col = h * K + offs_k
+    tile_TK = offs_t[:, None].to(tl.int64) * D + col[None, :]
+    mask_TK = mask_t[:, None] & mask_k[None, :]
+    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
+    store_ty = rows_ptr.dtype.element_ty
+
+    mask_GT = mask_g[:, None] & mask_t[None, :]
+    mask_GTK = mask_GT[:, :, None] & mask_k[None, None, :]
+    rows_GTK = (n_lo + offs_g)[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
+    v = tl.load(rows_ptr + rows_GTK, mask=mask_GTK, other=0.0).to(ACC)
+    r = tl.load(r_ptr + (n_lo + offs_g)[:, None] * P + offs_t[None, :], mask=mask_GT, other=0.0).to(ACC)
+    kr = (v * r[:, :, None]).to(store_ty).to(ACC)
+    dv = tl.zeros([G_P, BLOCK_T, K_P], ACC)
+    c = tl.zeros([G_P, BLOCK_T], ACC)
+    for s in range(s_lo, s_hi):
+        dout = tl.load(dout_buf_ptr + s * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC)
+        w_K = tl.load(w_ptr + s * D + col, mask=mask_k, other=0.0).to(ACC)
+        lse = tl.load(lse_ptr + (s * P + offs_t) * H + h, mask=mask_t, other=0.0)
+        S = tl.load(S_ptr + (s * P + offs_t) * H + h, mask=mask_t, other=0.0)
+        logit = tl.sum(kr * w_K[None, None, :], axis=2)  # [G_P, BLOCK_T]
+        alpha = tl.exp(logit - lse[None, :])
+        gdot = tl.sum(v * dout[None, :, :], axis=2)
+        dl = alpha * (gdot - S[None, :])
+        dv += alpha[:, :, None] * dout[None, :, :] + (dl * r)[:, :, None] * w_K[None, None, :]
+        c += dl * logit
+        a_K = tl.sum(tl.sum(dl[:, :, None] * kr, axis=0), axis=0)
+        tl.store(a_ptr + ((s - s_lo) * tl.num_programs(0) + pid_t) * D + col, a_K, mask=mask_k)
+
+    part_GTK = offs_g[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
+    tl.store(part_dv_ptr + part_GTK, dv, mask=mask_GTK)
+    gt = offs_g[:, None].to(tl.int64) * P + offs_t[None, :]
+    tl.store(part_c_ptr + gt * H + h, c, mask=mask_GT)

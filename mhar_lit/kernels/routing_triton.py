@@ -1,0 +1,145 @@
+"""Per-call fused routing: `route_triton(sources, query, norm_weight, heads, eps)`, the "triton" backend of
+mhar_lit.routing.route. Same function as the reference, forward and backward, in Triton.
+
+Forward (one launch): full-row programs of several tokens each run the online softmax over the N rows,
+compute each row's RMS statistic once (kept, [N, P]) and write the output and the log-sum-exp [P, H].
+Backward (one launch): the same programs recompute keys from the saved statistic, take the softmax
+coupling S = <dout, out> per head, and write each source's finished gradient once (no fp32 accumulation
+buffer); dq and dg come from per-program partials summed on the host (deterministic, no atomics).
+Saved for backward: the sources, the output, r [N, P] and lse [P, H] (fp32), nothing of size N x D beyond
+the sources themselves.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from mhar_lit.kernels import _routing_kernels as kern
+
+STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+# Elements of one register tile; fixes tokens per program for a padded head width (see tile_tokens).
+TILE_ELEMENTS = 4096
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_device(*tensors: Tensor) -> None:
+    """CUDA tensors, or CPU tensors under the Triton interpreter; anything else is an error."""
+    for x in tensors:
+        if x.device.type == "cuda":
+            continue
+        if x.device.type == "cpu" and interpreting():
+            continue
+        raise RuntimeError(
+            f"triton routing needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before import), "
+            f"got a tensor on {x.device}"
+        )
+
+
+def check_storage_dtype(dtype: torch.dtype) -> None:
+    if dtype not in STORAGE_DTYPES:
+        raise TypeError(f"triton routing supports {STORAGE_DTYPES}, got {dtype}")
+
+
+def accumulator(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype]:
+    """(torch, triton) compute dtype: fp32 for every storage dtype up to fp32, fp64 for fp64 (gradcheck)."""
+    if dtype == torch.float64:
+        return torch.float64, tl.float64
+    return torch.float32, tl.float32
+
+
+def pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+def tile_tokens(row_elements: int, limit: int = 64) -> int:
+    """Tokens per program so that tokens x padded row width is about TILE_ELEMENTS."""
+    return max(1, min(limit, TILE_ELEMENTS // row_elements))
+
+
+def _launch_forward(rows_NPD: Tensor, w_1D: Tensor, heads: int, eps: float):
+    n, p, d = rows_NPD.shape
+    k = d // heads
+    acc_t, acc_tl = accumulator(rows_NPD.dtype)
+    h_p, k_p = pow2(heads), pow2(k)
+    block_t = tile_tokens(h_p * k_p)
+    r_NP = torch.empty(n, p, dtype=acc_t, device=rows_NPD.device)
+    lse_PH = torch.empty(p, heads, dtype=acc_t, device=rows_NPD.device)
+    out_PD = torch.empty(p, d, dtype=rows_NPD.dtype, device=rows_NPD.device)
+    grid = (triton.cdiv(p, block_t),)
+    kern._site_fwd_kernel[grid](
+        rows_NPD, r_NP, rows_NPD, w_1D, lse_PH, lse_PH, out_PD, out_PD, lse_PH,
+        0, n, 0, 0, 0, p, d, heads, k, eps,
+        HAS_INIT=False, HAS_NEW=False, INLINE_R=True,
+        BLOCK_T=block_t, H_P=h_p, K_P=k_p, ACC=acc_tl, num_warps=4,
+    )
+    return out_PD, r_NP, lse_PH
+
+
+def _launch_backward(rows_NPD: Tensor, r_NP: Tensor, w_1D: Tensor, lse_PH: Tensor, out_PD: Tensor,
+                     dout_PD: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    n, p, d = rows_NPD.shape
+    k = d // heads
+    acc_t, acc_tl = accumulator(rows_NPD.dtype)
+    h_p, k_p = pow2(heads), pow2(k)
+    block_t = tile_tokens(h_p * k_p)
+    programs = triton.cdiv(p, block_t)
+    dsrc_NPD = torch.empty_like(rows_NPD)
+    a_part = torch.empty(programs, d, dtype=acc_t, device=rows_NPD.device)
+    kern._site_bwd_kernel[(programs,)](
+        rows_NPD, r_NP, w_1D, lse_PH, lse_PH, dout_PD, dout_PD, out_PD,
+        lse_PH, lse_PH, dsrc_NPD, a_part, a_part,
+        0, n, 0, 0, 0, 0, p, d, heads, k,
+        HAS_INIT=False, STORE_NEW=False,
+        BLOCK_T=block_t, H_P=h_p, K_P=k_p, ACC=acc_tl, num_warps=4,
+    )
+    return dsrc_NPD, a_part.sum(0)
+
+
+class _RouteFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float) -> Tensor:
+        n, b, t, d = sources.shape
+        acc_t, _ = accumulator(sources.dtype)
+        rows_NPD = sources.contiguous().view(n, b * t, d)
+        q, g = query.detach().to(acc_t), norm_weight.detach().to(acc_t)
+        w_1D = (q * g).view(1, d).contiguous()
+        out_PD, r_NP, lse_PH = _launch_forward(rows_NPD, w_1D, heads, eps)
+        ctx.save_for_backward(rows_NPD, r_NP, lse_PH, out_PD, q, g)
+        ctx.heads, ctx.shape = heads, (n, b, t, d)
+        ctx.param_dtypes = (query.dtype, norm_weight.dtype)
+        return out_PD.view(b, t, d)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout_BTD: Tensor):
+        rows_NPD, r_NP, lse_PH, out_PD, q, g = ctx.saved_tensors
+        n, b, t, d = ctx.shape
+        w_1D = (q * g).view(1, d)
+        dout_PD = dout_BTD.to(rows_NPD.dtype).contiguous().view(b * t, d)
+        dsrc_NPD, a_D = _launch_backward(rows_NPD, r_NP, w_1D, lse_PH, out_PD, dout_PD, ctx.heads)
+        dq = (a_D * g).to(ctx.param_dtypes[0])
+        dg = (a_D * q).to(ctx.param_dtypes[1])
+        return dsrc_NPD.view(n, b, t, d), dq, dg, None, None
+
+
+def route_triton(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
+    """Fused multi-head routing; sources [N, B, T, D], query and norm_weight [D] -> [B, T, D] (see module doc)."""
+    if sources.dim() != 4:
+        raise ValueError(f"sources must be [N, B, T, D], got shape {tuple(sources.shape)}")
+    d = sources.shape[-1]
+    if d % heads != 0:
+        raise ValueError(f"hidden size {d} is not divisible by the number of routing heads {heads}")
+    if query.shape != (d,) or norm_weight.shape != (d,):
+        raise ValueError(f"query {tuple(query.shape)} and norm_weight {tuple(norm_weight.shape)} must be ({d},)")
+    check_storage_dtype(sources.dtype)
+    check_device(sources, query, norm_weight)
+    return _RouteFunction.apply(sources, query, norm_weight, heads, eps)
