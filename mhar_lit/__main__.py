@@ -1,0 +1,3 @@
+from mhar_lit.cli import main
+
+main()

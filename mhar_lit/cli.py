@@ -1,0 +1,103 @@
+"""`python -m mhar_lit ...`: LightningCLI (fit / validate / test / predict) plus the package's own tools.
+
+    python -m mhar_lit fit --config configs/demo.yaml        train (MLflow run in ./mlflow.db by default)
+    python -m mhar_lit sweep --config base.yaml --grid ...   cross product of settings, one MLflow run each
+    python -m mhar_lit compare --sweep ID                     table of results with paired deltas
+    python -m mhar_lit probe --ckpt PATH                      routing analysis of a trained checkpoint
+    python -m mhar_lit convert --from HF_DIR --to DIR         graft a strategy onto a pretrained model
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Optional
+
+TOOLS = {
+    "sweep": "mhar_lit.sweep:sweep_main",
+    "compare": "mhar_lit.sweep:compare_main",
+    "probe": "mhar_lit.analysis.probe:probe_main",
+    "convert": "mhar_lit.convert:convert_main",
+}
+
+# An embedded sqlite store in the working directory unless MLFLOW_TRACKING_URI points at a server.
+DEFAULT_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+DEFAULT_EXPERIMENT = "mhar_lit"
+
+
+def build_cli(args: Optional[list[str]] = None, run: bool = True):
+    """The LightningCLI of mhar_lit (also used by tests with run=False)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from mhar_lit.data.datamodule import TokenDataModule
+    from mhar_lit.lit.callbacks import LogCheckpointArtifact, RoutingMonitor, SpeedMonitor
+    from mhar_lit.lit.module import LanguageModel
+    from mhar_lit.lit.routing_backend import RoutingBackend
+
+    class MLflowSaveConfig(SaveConfigCallback):
+        """Stores the resolved config as the run's `config.yaml` artifact.
+
+        Lightning's default callback asserts on trainer.log_dir, which is None for sqlite/http MLflow stores
+        (pytorch-lightning#16310); for other loggers we write next to the logs as usual.
+        """
+
+        def save_config(self, trainer, pl_module, stage) -> None:
+            text = self.parser.dump(self.config, skip_none=False)
+            for logger in trainer.loggers:
+                if isinstance(logger, MLFlowLogger):
+                    logger.experiment.log_text(logger.run_id, text, "config.yaml")
+                    return
+            if trainer.log_dir and trainer.is_global_zero:
+                import os
+
+                os.makedirs(trainer.log_dir, exist_ok=True)
+                with open(os.path.join(trainer.log_dir, "config.yaml"), "w") as fh:
+                    fh.write(text)
+
+    class MHARCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser) -> None:
+            parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+            parser.add_lightning_class_args(SpeedMonitor, "speed")
+            parser.add_lightning_class_args(RoutingMonitor, "routing_monitor")
+            parser.add_lightning_class_args(RoutingBackend, "routing_backend")
+            parser.set_defaults({
+                "checkpoint.save_last": True,
+                "trainer.default_root_dir": "runs",
+                "trainer.logger": {
+                    "class_path": "lightning.pytorch.loggers.MLFlowLogger",
+                    "init_args": {
+                        "experiment_name": DEFAULT_EXPERIMENT,
+                        "tracking_uri": DEFAULT_TRACKING_URI,
+                        "log_model": False,
+                        "synchronous": False,
+                    },
+                },
+            })
+
+    return MHARCLI(
+        LanguageModel,
+        TokenDataModule,
+        args=args,
+        run=run,
+        seed_everything_default=42,
+        save_config_callback=MLflowSaveConfig,
+        save_config_kwargs={"save_to_log_dir": False},
+        trainer_defaults={"callbacks": [LogCheckpointArtifact()]},
+        parser_kwargs={"default_env": True},
+        auto_configure_optimizers=False,
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOLS:
+        module_name, func_name = TOOLS[argv[0]].split(":")
+        sys.exit(getattr(importlib.import_module(module_name), func_name)(argv[1:]) or 0)
+    build_cli(argv)
+
+
+if __name__ == "__main__":
+    main()

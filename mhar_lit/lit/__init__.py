@@ -1,0 +1,1 @@
+"""Lightning layer: module, callbacks, routing backend selection."""

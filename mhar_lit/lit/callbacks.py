@@ -1,0 +1,187 @@
+"""Training callbacks: throughput/MFU/memory, routing monitor (entropy + heatmaps), final checkpoint artifact."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+from mhar_lit.residual.attnres import RoutedResidual
+
+log = logging.getLogger(__name__)
+
+
+def training_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """PaLM-style estimate: 6 x (matmul parameters incl. the LM head) + 12 x L x heads x head_dim x T."""
+    cfg = model.config
+    matmul_params = model.num_parameters(non_embedding=True) + cfg.vocab_size * cfg.hidden_size
+    return 6.0 * matmul_params + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+
+
+class SpeedMonitor(L.Callback):
+    """Logs train/tokens_per_s, train/mfu (against `peak_tflops`, e.g. 989 for H100/H200 dense bf16) and
+    train/peak_mem_gb every `every_n_steps` optimizer steps; the first `skip_steps` steps are warm-up."""
+
+    def __init__(self, every_n_steps: int = 10, peak_tflops: Optional[float] = None, skip_steps: int = 2) -> None:
+        self.every_n_steps, self.peak_tflops, self.skip_steps = every_n_steps, peak_tflops, skip_steps
+        self._t0: Optional[float] = None
+        self._tokens = 0
+
+    def _sync(self, pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step < self.skip_steps:
+            return
+        if self._t0 is None:
+            self._sync(pl_module)
+            self._t0, self._tokens = time.perf_counter(), 0
+            return
+        self._tokens += batch[:, :-1].numel() * trainer.world_size
+        if step % self.every_n_steps:
+            return
+        self._sync(pl_module)
+        elapsed = time.perf_counter() - self._t0
+        tokens_per_s = self._tokens / elapsed
+        metrics = {"train/tokens_per_s": tokens_per_s}
+        if self.peak_tflops:
+            flops = training_flops_per_token(pl_module.model, batch.shape[1] - 1) * tokens_per_s
+            metrics["train/mfu"] = flops / (self.peak_tflops * 1e12 * trainer.world_size)
+        if pl_module.device.type == "cuda":
+            metrics["train/peak_mem_gb"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        self._t0, self._tokens = time.perf_counter(), 0
+
+
+def routing_entropy(weights_NH: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of token-averaged routing weights per head, [H]."""
+    p = weights_NH.clamp_min(1e-12)
+    return -(p * p.log()).sum(0)
+
+
+def routing_heatmap(recorded: dict[int, torch.Tensor], title: str):
+    """One matplotlib figure: a (sites x sources) heatmap per head of the token-averaged routing weights."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sites = sorted(recorded)
+    max_sources = max(recorded[s].shape[0] for s in sites)
+    heads = recorded[sites[0]].shape[1]
+    grid = torch.full((heads, len(sites), max_sources), float("nan"))
+    for row, site in enumerate(sites):
+        w = recorded[site]
+        grid[:, row, : w.shape[0]] = w.T
+    cols = min(heads, 4)
+    rows = math.ceil(heads / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    for h in range(rows * cols):
+        ax = axes[h // cols][h % cols]
+        if h >= heads:
+            ax.axis("off")
+            continue
+        image = ax.imshow(grid[h].numpy(), vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto", interpolation="nearest")
+        ax.set_title(f"head {h}", fontsize=9)
+        ax.set_xlabel("source")
+        ax.set_ylabel("site")
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="mean routing weight")
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def record_routing(pl_module: L.LightningModule, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Token-averaged routing weights {site: [N, H]} of one no-grad forward pass."""
+    residual = pl_module.model.residual
+    residual.record_weights, residual.recorded = True, {}
+    try:
+        with torch.no_grad():
+            pl_module.model(input_ids)
+        return dict(residual.recorded)
+    finally:
+        residual.record_weights, residual.recorded = False, {}
+
+
+class RoutingMonitor(L.Callback):
+    """Every `every_n_steps`, logs routing entropy per site/head and a heatmap figure to the logger.
+
+    Runs one extra no-grad forward on the first `max_sequences` sequences of the current batch; a no-op for
+    strategies without depth routing. The time it takes is logged as routing/monitor_ms.
+    """
+
+    def __init__(self, every_n_steps: int = 100, max_sequences: int = 2, log_heatmaps: bool = True) -> None:
+        self.every_n_steps, self.max_sequences, self.log_heatmaps = every_n_steps, max_sequences, log_heatmaps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if not isinstance(pl_module.model.residual, RoutedResidual) or step % self.every_n_steps or not trainer.is_global_zero:
+            return
+        self.log_routing(trainer, pl_module, batch[: self.max_sequences, :-1], step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        batch = getattr(self, "_last_batch", None)
+        if batch is not None and isinstance(pl_module.model.residual, RoutedResidual) and trainer.is_global_zero:
+            self.log_routing(trainer, pl_module, batch, trainer.global_step, final=True)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._last_batch = batch[: self.max_sequences, :-1]
+
+    def log_routing(self, trainer, pl_module, input_ids, step: int, final: bool = False) -> None:
+        start = time.perf_counter()
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            recorded = record_routing(pl_module, input_ids)
+        finally:
+            pl_module.train(was_training)
+        metrics = {}
+        for site, w in recorded.items():
+            for head, value in enumerate(routing_entropy(w).tolist()):
+                metrics[f"routing/entropy/site{site:03d}_h{head}"] = value
+        metrics["routing/monitor_ms"] = (time.perf_counter() - start) * 1e3
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+        if self.log_heatmaps:
+            name = "final" if final else f"step{step:07d}"
+            log_figure(trainer, routing_heatmap(recorded, f"routing weights, {name}"), f"routing/heatmap_{name}.png")
+
+
+def log_figure(trainer: L.Trainer, figure: Any, artifact_file: str) -> None:
+    """Log a matplotlib figure to MLflow if an MLflow logger is attached, else save it under the log dir."""
+    import matplotlib.pyplot as plt
+
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    try:
+        for logger in trainer.loggers:
+            if isinstance(logger, MLFlowLogger):
+                logger.experiment.log_figure(logger.run_id, figure, artifact_file)
+                return
+        out = os.path.join(trainer.log_dir or trainer.default_root_dir, artifact_file)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        figure.savefig(out, dpi=100)
+    finally:
+        plt.close(figure)
+
+
+class LogCheckpointArtifact(L.Callback):
+    """At the end of fit, uploads the last (or best) checkpoint to the MLflow run as an artifact."""
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        ckpt = trainer.checkpoint_callback
+        path = ckpt and (ckpt.last_model_path or ckpt.best_model_path)
+        if not path or not os.path.exists(path) or not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            if isinstance(logger, MLFlowLogger):
+                logger.experiment.log_artifact(logger.run_id, path, artifact_path="checkpoints")
+                logger.experiment.set_tag(logger.run_id, "checkpoint_path", os.path.abspath(path))

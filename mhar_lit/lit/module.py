@@ -1,0 +1,248 @@
+"""LightningModule: the decoder LM with a residual strategy, the paper's optimiser and schedule, metrics.
+
+Recipe defaults follow SPEC H.1: AdamW (0.9, 0.95), eps 1e-8, weight decay 0.1 on every parameter,
+linear warmup then cosine decay to `min_lr_ratio` x peak, gradient clipping at global norm 1.0.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics import MeanMetric
+
+from mhar_lit.config import ModelConfig
+from mhar_lit.models.decoder import DecoderLM, RMSNorm
+from mhar_lit.residual.base import ResidualStrategy
+from mhar_lit.residual.standard import StandardResidual
+
+
+def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak LR at optimizer step `step` (0-based): linear warmup, cosine to the floor."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps  # the first update already moves (an lr of exactly 0 wastes a step)
+    progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def strategy_signature(residual: ResidualStrategy) -> dict[str, Any]:
+    """What identifies a strategy in a checkpoint: its class path and constructor arguments.
+
+    The routing backend is left out: it is a runtime choice, and a run may resume on another backend.
+    """
+    names = [n for n in inspect.signature(type(residual).__init__).parameters if n not in ("self", "backend")]
+    options = {n: getattr(residual, n) for n in names if hasattr(residual, n)}
+    return {"class_path": f"{type(residual).__module__}.{type(residual).__qualname__}", "options": options}
+
+
+class LanguageModel(L.LightningModule):
+    """Next-token LM training for any residual strategy at any named size.
+
+    Args:
+        size: a named size from mhar_lit.config.NAMED_SIZES ("tiny", "demo", "100M", "350M", "1B", ...).
+        residual: the residual strategy (class_path/init_args in YAML); the standard residual by default.
+        model_overrides: ModelConfig fields that override the named size (e.g. {vocab_size: 512}).
+        lr, betas, eps, weight_decay: AdamW settings. `decay_all_parameters` (paper) decays everything;
+            False excludes norms, embeddings, biases and the strategy's gates / null sources / key norms.
+        warmup_steps, decay_steps, min_lr_ratio: schedule; decay_steps defaults to trainer.max_steps.
+        grad_clip: global-norm clipping (0 disables); the pre-clip norm is logged as train/grad_norm.
+        z_loss: weight of mean(logsumexp(logits)^2) (0 disables).
+        activation_checkpointing: recompute sublayers in backward. compile: torch.compile the decoder.
+        tail_k: number of last validations averaged into val/tail_mean (the paper's metric uses 11).
+        init_from: a directory written by `python -m mhar_lit convert` or a .safetensors file to start from.
+    """
+
+    def __init__(
+        self,
+        size: str = "tiny",
+        residual: Optional[ResidualStrategy] = None,
+        model_overrides: Optional[dict[str, Any]] = None,
+        lr: float = 5e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        decay_all_parameters: bool = True,
+        warmup_steps: int = 1000,
+        decay_steps: Optional[int] = None,
+        min_lr_ratio: float = 0.1,
+        grad_clip: float = 1.0,
+        z_loss: float = 0.0,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        tail_k: int = 11,
+        init_from: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = ModelConfig.from_name(size, **(model_overrides or {}))
+        self.model = DecoderLM(self.config, residual if residual is not None else StandardResidual())
+        self.model.activation_checkpointing = activation_checkpointing
+        if init_from:
+            from mhar_lit.convert import load_weights_into
+
+            load_weights_into(self.model, init_from)
+        self.val_loss = MeanMetric(nan_strategy="error")
+        self.val_history: list[float] = []
+        self._forward = torch.compile(self.model) if compile else self.model
+
+    # ---------------------------------------------------------------- steps
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self._forward(input_ids)
+
+    def _loss(self, batch: Tensor) -> tuple[Tensor, Tensor, int]:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = self(inputs).float()
+        flat = logits.flatten(0, 1)
+        ce = F.cross_entropy(flat, targets.flatten())
+        z = torch.logsumexp(flat, dim=-1).pow(2).mean() if self.hparams.z_loss else flat.new_zeros(())
+        return ce, z, targets.numel()
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        ce, z, _ = self._loss(batch)
+        loss = ce + self.hparams.z_loss * z
+        self.log("train/loss", ce, prog_bar=True)
+        if self.hparams.z_loss:
+            self.log("train/z_loss", z)
+        return loss
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        ce, _, tokens = self._loss(batch)
+        self.val_loss.update(ce, weight=tokens)  # token-weighted: exact global mean under DDP
+
+    def on_validation_epoch_end(self) -> None:
+        value = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val/loss", value, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", torch.exp(value))
+        if not self.trainer.sanity_checking:
+            self.val_history.append(float(value))
+            tail = self.val_history[-self.hparams.tail_k :]
+            self.log("val/tail_mean", sum(tail) / len(tail))
+
+    def test_step(self, batch: Tensor, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        value = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("test/loss", value)
+        self.log("test/ppl", torch.exp(value))
+
+    def predict_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        """Per-sequence mean next-token loss (useful for scoring held-out text)."""
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = self(inputs).float()
+        return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(-1)
+
+    # ---------------------------------------------------------------- optimisation
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        if self.hparams.decay_all_parameters:
+            return [{"params": [p for p in self.model.parameters() if p.requires_grad],
+                     "weight_decay": self.hparams.weight_decay}]
+        skip = self._no_decay_names()
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                (no_decay if name in skip or name.endswith(".bias") else decay).append(p)
+        return [{"params": decay, "weight_decay": self.hparams.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0}]
+
+    def _no_decay_names(self) -> set[str]:
+        names = {"embed_tokens.weight"}
+        for mod_name, module in self.model.named_modules():
+            if isinstance(module, RMSNorm):
+                names.add(f"{mod_name}.weight")
+        names |= {f"residual.{n}" for n in self.model.residual.no_decay_parameter_names()}
+        return names
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        decay_steps = self.hparams.decay_steps or self.trainer.max_steps
+        if not decay_steps or decay_steps < 0:
+            raise ValueError("set trainer.max_steps (or model.decay_steps) so the cosine schedule has an end")
+        fused = self.device.type == "cuda"
+        optimizer = torch.optim.AdamW(self.parameter_groups(), lr=self.hparams.lr, betas=tuple(self.hparams.betas),
+                                      eps=self.hparams.eps, fused=fused)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: lr_factor(step, self.hparams.warmup_steps, decay_steps, self.hparams.min_lr_ratio),
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.hparams.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.hparams.grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        self.log("train/grad_norm", norm)
+        self.log("train/lr", optimizer.param_groups[0]["lr"])
+
+    # ---------------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["mhar_lit"] = {
+            "model_config": self.config.to_dict(),
+            "residual": strategy_signature(self.model.residual),
+            "val_history": list(self.val_history),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("mhar_lit")
+        if saved is None:
+            raise ValueError("checkpoint was not written by mhar_lit (no 'mhar_lit' section); cannot resume from it")
+        mine = {"model_config": self.config.to_dict(), "residual": strategy_signature(self.model.residual)}
+        for key in ("model_config", "residual"):
+            if saved[key] != mine[key]:
+                raise ValueError(
+                    f"checkpoint {key} does not match this run:\n  checkpoint: {saved[key]}\n  this run:   {mine[key]}"
+                )
+        self.val_history = list(saved.get("val_history", []))
+
+    def on_fit_start(self) -> None:
+        from mhar_lit.sweep import tag_run
+
+        tag_run(self.trainer, self.model.residual, self.hparams.size, os.environ.get("PL_GLOBAL_SEED"))
+
+    def setup(self, stage: str) -> None:
+        data = getattr(self.trainer, "datamodule", None)
+        vocab = getattr(data, "vocab_size", None)
+        if vocab is not None and vocab > self.config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {vocab} ids but the model's vocab_size is {self.config.vocab_size}; "
+                f"set model.model_overrides.vocab_size >= {vocab}"
+            )
+
+
+def model_from_checkpoint(path: str, trust_pickle: bool = False) -> DecoderLM:
+    """Rebuild the DecoderLM (config, strategy, weights) of an mhar_lit Lightning checkpoint, in eval mode.
+
+    Loads with weights_only=True by default; a checkpoint that embeds pickled Python objects (a module
+    built outside the CLI with a strategy object in its hyperparameters) needs trust_pickle=True, which is
+    only safe for files you created yourself.
+    """
+    import importlib
+    import pickle
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"{path} contains pickled Python objects and was not loaded (weights_only); "
+            "pass trust_pickle=True (--trust-checkpoint) only if you created this file"
+        ) from err
+    saved = checkpoint.get("mhar_lit")
+    if saved is None:
+        raise ValueError(f"{path} was not written by mhar_lit (no 'mhar_lit' section)")
+    module_name, _, class_name = saved["residual"]["class_path"].rpartition(".")
+    strategy = getattr(importlib.import_module(module_name), class_name)(**saved["residual"]["options"])
+    model = DecoderLM(ModelConfig.from_dict(saved["model_config"]), strategy)
+    state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+    model.load_state_dict(state)
+    return model.eval()

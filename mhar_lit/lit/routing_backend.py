@@ -1,0 +1,130 @@
+"""The Triton routing callback: picks the routing backend, checks it once against the reference, logs it.
+
+backend="auto" uses the fused Triton kernels on CUDA and the PyTorch reference elsewhere. When Triton is
+selected, the first real training batch is run through both backends (no grad) and the logits compared;
+a mismatch beyond the tolerance is an error unless `fallback=True`, in which case the run continues on
+the reference and says so loudly (warning + logged tag). Nothing is ever switched silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import lightning as L
+import torch
+
+from mhar_lit.residual.attnres import RoutedResidual
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("auto", "torch", "triton")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _timed_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    if input_ids.is_cuda:
+        torch.cuda.synchronize(input_ids.device)
+    start = time.perf_counter()
+    logits = model(input_ids)
+    if input_ids.is_cuda:
+        torch.cuda.synchronize(input_ids.device)
+    return logits.float(), (time.perf_counter() - start) * 1e3
+
+
+def compare_backends(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[str, float]:
+    """Relative max error of the Triton forward against the reference on `input_ids`, plus both times."""
+    residual = model.residual
+    original = residual.backend
+    try:
+        with torch.no_grad():
+            residual.backend = "torch"
+            ref, torch_ms = _timed_logits(model, input_ids)
+            residual.backend = "triton"
+            out, triton_ms = _timed_logits(model, input_ids)
+    finally:
+        residual.backend = original
+    rel = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    return {"rel_err": rel, "torch_forward_ms": torch_ms, "triton_forward_ms": triton_ms}
+
+
+class RoutingBackend(L.Callback):
+    """Selects and validates the depth-routing backend of attention-residual strategies.
+
+    Args:
+        backend: "auto" (Triton on CUDA, reference otherwise), "torch" or "triton".
+        check: compare Triton with the reference on the first training batch.
+        tolerance: maximum relative logit error (default: 5e-2 in bf16/fp16, 1e-4 in fp32); bf16 runs differ
+            by rounding order only, and the fused kernel is the more accurate of the two (SPEC I).
+        fallback: on a failed check, continue with the reference instead of raising.
+        check_sequences: sequences of the first batch used for the check.
+    """
+
+    def __init__(self, backend: str = "auto", check: bool = True, tolerance: Optional[float] = None,
+                 fallback: bool = False, check_sequences: int = 1) -> None:
+        if backend not in CHOICES:
+            raise ValueError(f"routing backend must be one of {CHOICES}, got {backend!r}")
+        self.backend, self.check, self.tolerance = backend, check, tolerance
+        self.fallback, self.check_sequences = fallback, check_sequences
+        self._pending_check = False
+        self.report: dict[str, object] = {}
+
+    def resolve(self, device: torch.device) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        residual = pl_module.model.residual
+        if not isinstance(residual, RoutedResidual):
+            return
+        chosen = self.resolve(trainer.strategy.root_device)
+        if chosen == "triton" and not triton_available():
+            raise RuntimeError("routing backend 'triton' was requested but triton is not installed")
+        residual.backend = chosen
+        self._pending_check = chosen == "triton" and self.check and stage == "fit"
+        self.report = {"routing_backend": chosen}
+        log.info("depth routing backend: %s", chosen)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self._pending_check:
+            return
+        self._pending_check = False
+        result = compare_backends(pl_module.model, batch[: self.check_sequences, :-1])
+        dtype = next(pl_module.model.parameters()).dtype
+        tolerance = self.tolerance or (1e-4 if dtype == torch.float32 else 5e-2)
+        self.report.update({f"routing_check_{k}": v for k, v in result.items()})
+        self.report["routing_check_tolerance"] = tolerance
+        if result["rel_err"] > tolerance:
+            message = (f"Triton routing differs from the reference on the first batch: relative error "
+                       f"{result['rel_err']:.3g} > tolerance {tolerance:.3g}")
+            if not self.fallback:
+                raise RuntimeError(message + " (set routing_backend.fallback=true to continue on the reference)")
+            log.warning("%s; falling back to the PyTorch reference as configured", message)
+            pl_module.model.residual.backend = "torch"
+            self.report["routing_backend"] = "torch (fallback after failed check)"
+        self._log(trainer)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.report and not self._pending_check:
+            self._log(trainer)
+
+    def _log(self, trainer: L.Trainer) -> None:
+        numbers = {k: float(v) for k, v in self.report.items() if isinstance(v, (int, float))}
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, MLFlowLogger):  # a tag, since MLflow params are immutable across resumes
+                logger.experiment.set_tag(logger.run_id, "routing_backend", self.report["routing_backend"])
+            else:
+                logger.log_hyperparams({"routing_backend": self.report["routing_backend"]})
+            if numbers:
+                logger.log_metrics(numbers, step=trainer.global_step)

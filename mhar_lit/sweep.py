@@ -1,0 +1,190 @@
+"""Sweeps and paired comparisons over MLflow runs.
+
+    python -m mhar_lit sweep --config configs/base.yaml \\
+        --grid config=configs/methods/baseline.yaml,configs/methods/mhar.yaml \\
+        --grid model.lr=1e-3,5e-4 --grid seed_everything=1,2 [-- extra fit args]
+
+runs the cross product of the grid as separate `fit` processes (one MLflow run each, tagged with one
+sweep id; `config=` values are extra config files layered on the base, other keys are CLI overrides), and
+
+    python -m mhar_lit compare --sweep ID
+
+prints final and tail-mean validation loss per run with the paired delta against the standard-residual
+run of the same seed (and learning rate), then the per-method mean and spread of those deltas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import itertools
+import json
+import math
+import secrets
+import statistics
+import subprocess
+import sys
+from typing import Any, Optional
+
+from mhar_lit.cli import DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI
+
+BASELINE_METHOD = "StandardResidual"
+
+
+def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
+    grid = []
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        if not sep or not key or not values:
+            raise SystemExit(f"error: --grid expects key=v1,v2,..., got {spec!r}")
+        grid.append((key.strip(), [v.strip() for v in values.split(",") if v.strip()]))
+    return grid
+
+
+def grid_points(grid: list[tuple[str, list[str]]]) -> list[dict[str, str]]:
+    keys = [k for k, _ in grid]
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(values for _, values in grid))]
+
+
+def fit_command(configs: list[str], point: dict[str, str], sweep_id: str, extra: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "mhar_lit", "fit"]
+    for config in configs:
+        cmd += ["--config", config]
+    for key, value in point.items():
+        cmd += ["--config", value] if key == "config" else [f"--{key}", value]
+    tags = {"sweep_id": sweep_id, "sweep_point": json.dumps(point, sort_keys=True)}
+    run_name = f"{sweep_id}/" + ",".join(f"{k.split('.')[-1]}={v.split('/')[-1]}" for k, v in point.items())
+    cmd += ["--trainer.logger.init_args.tags", json.dumps(tags), "--trainer.logger.init_args.run_name", run_name]
+    return cmd + extra
+
+
+def sweep_main(argv: list[str]) -> int:
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(prog="python -m mhar_lit sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", required=True, help="base config file(s)")
+    parser.add_argument("--grid", action="append", default=[], help="key=v1,v2 (repeatable)")
+    parser.add_argument("--sweep-id", default=None, help="default: sw-<date>-<random>")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands only")
+    parser.add_argument("--keep-going", action="store_true", help="run the remaining points if one fails")
+    args = parser.parse_args(argv)
+    points = grid_points(parse_grid(args.grid))
+    sweep_id = args.sweep_id or f"sw-{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+    print(f"sweep {sweep_id}: {len(points)} runs", flush=True)
+    failures = 0
+    for index, point in enumerate(points, 1):
+        cmd = fit_command(args.config, point, sweep_id, extra)
+        print(f"[{index}/{len(points)}] {' '.join(cmd[1:])}", flush=True)
+        if args.dry_run:
+            continue
+        code = subprocess.call(cmd)
+        if code != 0:
+            failures += 1
+            print(f"run {index} failed with exit code {code}", file=sys.stderr)
+            if not args.keep_going:
+                return code
+    print(f"done: {len(points) - failures}/{len(points)} runs succeeded; compare with:\n"
+          f"  python -m mhar_lit compare --sweep {sweep_id}")
+    return 1 if failures else 0
+
+
+# ----------------------------------------------------------------------------- compare
+def collect_runs(sweep_id: str, tracking_uri: str, experiment: str) -> list[dict[str, Any]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise SystemExit(f"error: no MLflow experiment {experiment!r} at {tracking_uri}")
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.sweep_id = '{sweep_id}'", max_results=5000)
+    if not runs:
+        raise SystemExit(f"error: no runs tagged sweep_id={sweep_id!r} in experiment {experiment!r} at {tracking_uri}")
+    rows = []
+    for run in runs:
+        tags, metrics = run.data.tags, run.data.metrics
+        rows.append({
+            "run_id": run.info.run_id,
+            "name": tags.get("mlflow.runName", run.info.run_id[:8]),
+            "status": run.info.status,
+            "method": tags.get("method", "?"),
+            "seed": tags.get("seed", "?"),
+            "lr": run.data.params.get("lr", "?"),
+            "final": metrics.get("val/loss", math.nan),
+            "tail_mean": metrics.get("val/tail_mean", math.nan),
+            "tokens_per_s": metrics.get("train/tokens_per_s", math.nan),
+        })
+    return rows
+
+
+def add_paired_deltas(rows: list[dict[str, Any]], metric: str) -> None:
+    baselines = {(r["seed"], r["lr"]): r for r in rows if r["method"].startswith(BASELINE_METHOD)}
+    by_seed = {r["seed"]: r for r in rows if r["method"].startswith(BASELINE_METHOD)}
+    for row in rows:
+        base = baselines.get((row["seed"], row["lr"])) or by_seed.get(row["seed"])
+        row["delta"] = row[metric] - base[metric] if base else math.nan
+
+
+def summarize(rows: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+    summary = []
+    for method in sorted({r["method"] for r in rows}):
+        mine = [r for r in rows if r["method"] == method]
+        deltas = [r["delta"] for r in mine if not math.isnan(r["delta"])]
+        values = [r[metric] for r in mine if not math.isnan(r[metric])]
+        summary.append({
+            "method": method, "runs": len(mine),
+            "mean": statistics.fmean(values) if values else math.nan,
+            "delta_mean": statistics.fmean(deltas) if deltas else math.nan,
+            "delta_std": statistics.stdev(deltas) if len(deltas) > 1 else math.nan,
+        })
+    return summary
+
+
+def format_table(rows: list[dict[str, Any]], summary: list[dict[str, Any]], metric: str) -> str:
+    lines = [f"{'method':<34} {'seed':>5} {'lr':>8} {'final':>8} {'tail':>8} {'delta':>8} {'tok/s':>9}  run"]
+    for r in sorted(rows, key=lambda r: (r["method"], str(r["seed"]), str(r["lr"]))):
+        lines.append(f"{r['method']:<34} {r['seed']:>5} {r['lr']:>8} {r['final']:>8.4f} {r['tail_mean']:>8.4f} "
+                     f"{r['delta']:>+8.4f} {r['tokens_per_s']:>9.0f}  {r['name']}")
+    lines.append("")
+    lines.append(f"{'method':<34} {'runs':>5} {'mean ' + metric:>18} {'paired delta':>13} {'+- std':>8}")
+    for s in summary:
+        lines.append(f"{s['method']:<34} {s['runs']:>5} {s['mean']:>18.4f} {s['delta_mean']:>+13.4f} {s['delta_std']:>8.4f}")
+    return "\n".join(lines)
+
+
+def compare_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mhar_lit compare")
+    parser.add_argument("--sweep", required=True, help="sweep id printed by `sweep`")
+    parser.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI)
+    parser.add_argument("--experiment", default=DEFAULT_EXPERIMENT)
+    parser.add_argument("--metric", default="tail_mean", choices=("tail_mean", "final"))
+    parser.add_argument("--json", default=None, help="also write rows and summary to this JSON file")
+    args = parser.parse_args(argv)
+    rows = collect_runs(args.sweep, args.tracking_uri, args.experiment)
+    add_paired_deltas(rows, args.metric)
+    summary = summarize(rows, args.metric)
+    print(format_table(rows, summary, args.metric))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"sweep": args.sweep, "metric": args.metric, "rows": rows, "summary": summary}, fh, indent=2)
+    return 0
+
+
+def method_label(residual: Any) -> str:
+    """Readable method name for tags: class name plus its main options."""
+    name = type(residual).__name__
+    options = [f"{k}={getattr(residual, k)}" for k in ("heads", "streams", "dynamic", "variant", "layers_per_block")
+               if hasattr(residual, k)]
+    return f"{name}({', '.join(options)})" if options else name
+
+
+def tag_run(trainer: Any, residual: Any, size: str, seed: Optional[str]) -> None:
+    """Sets the method / seed / size tags that `compare` groups by (MLflow loggers only)."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, MLFlowLogger) and trainer.is_global_zero:
+            for key, value in {"method": method_label(residual), "seed": seed or "?", "size": size}.items():
+                logger.experiment.set_tag(logger.run_id, key, value)

@@ -1,0 +1,84 @@
+"""LightningModule pieces that need no data pipeline: schedule, weight-decay groups, checkpoint identity."""
+
+import math
+
+import pytest
+import torch
+
+from mhar_lit.lit.module import LanguageModel, lr_factor, model_from_checkpoint, strategy_signature
+from mhar_lit.residual import DeltaAttnRes, FullAttnRes, StandardResidual
+
+
+def test_lr_schedule_matches_paper_formula():
+    """Warmup to the peak, then lr(t) = peak [rho + (1 - rho) 1/2 (1 + cos(pi (t - W) / (S - W)))] (SPEC H.1)."""
+    warmup, total, rho = 1000, 20000, 0.1
+    assert lr_factor(0, warmup, total, rho) == pytest.approx(1 / 1000)
+    assert lr_factor(999, warmup, total, rho) == pytest.approx(1.0)
+    for t in (1000, 5000, 10500, 19999, 20000, 25000):
+        expected = rho + (1 - rho) * 0.5 * (1 + math.cos(math.pi * min(1.0, (t - warmup) / (total - warmup))))
+        assert lr_factor(t, warmup, total, rho) == pytest.approx(expected)
+    assert lr_factor(20000, warmup, total, rho) == pytest.approx(rho)
+
+
+def test_weight_decay_groups():
+    """Paper: one group decays everything. Option: norms, embeddings, gates, null sources, key norms excluded."""
+    every = LanguageModel(size="tiny", residual=DeltaAttnRes(heads=4, layers_per_block=1))
+    groups = every.parameter_groups()
+    assert len(groups) == 1 and groups[0]["weight_decay"] == 0.1
+    assert sum(p.numel() for p in groups[0]["params"]) == every.model.num_parameters()
+
+    module = LanguageModel(size="tiny", residual=DeltaAttnRes(heads=4, layers_per_block=1), decay_all_parameters=False)
+    decay, no_decay = module.parameter_groups()
+    names = {id(p): n for n, p in module.model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    decay_names = {names[id(p)] for p in decay["params"]}
+    assert {"embed_tokens.weight", "norm.weight", "residual.gate", "residual.null", "residual.key_norm"} <= no_decay_names
+    assert "layers.0.input_layernorm.weight" in no_decay_names and "layers.1.self_attn.k_norm.weight" in no_decay_names
+    assert "residual.query" in decay_names and "layers.0.mlp.up_proj.weight" in decay_names  # SPEC J11: q decayed
+    assert not decay_names & no_decay_names
+    assert len(decay_names) + len(no_decay_names) == len(list(module.model.parameters()))
+
+
+def _save(module, path):
+    ckpt = {"state_dict": module.state_dict(), "hyper_parameters": {}}
+    module.on_save_checkpoint(ckpt)
+    torch.save(ckpt, path)
+    return ckpt
+
+
+def test_checkpoint_from_another_strategy_or_size_is_a_clear_error(tmp_path):
+    ckpt = _save(LanguageModel(size="tiny", residual=FullAttnRes(heads=4)), tmp_path / "a.ckpt")
+    with pytest.raises(ValueError, match="checkpoint residual does not match this run"):
+        LanguageModel(size="tiny", residual=FullAttnRes(heads=2)).on_load_checkpoint(ckpt)
+    with pytest.raises(ValueError, match="checkpoint model_config does not match this run"):
+        LanguageModel(size="tiny-4l", residual=FullAttnRes(heads=4)).on_load_checkpoint(ckpt)
+    with pytest.raises(ValueError, match="not written by mhar_lit"):
+        LanguageModel(size="tiny").on_load_checkpoint({"state_dict": {}})
+    LanguageModel(size="tiny", residual=FullAttnRes(heads=4, backend="torch")).on_load_checkpoint(ckpt)  # same: ok
+
+
+def test_model_from_checkpoint_round_trip(tmp_path):
+    """The checkpoint alone rebuilds strategy, config and weights (weights_only load), same logits."""
+    torch.manual_seed(0)
+    module = LanguageModel(size="tiny", residual=FullAttnRes(heads=2, random_query_init=True))
+    _save(module, tmp_path / "m.ckpt")
+    model = model_from_checkpoint(str(tmp_path / "m.ckpt"))
+    assert strategy_signature(model.residual) == strategy_signature(module.model.residual)
+    x = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(x), module.model.eval()(x))
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
+        model_from_checkpoint(str(tmp_path / "missing.ckpt"))
+
+
+def test_z_loss_and_loss_values():
+    """Training loss is the mean token cross-entropy; z-loss adds weight x mean(logsumexp^2)."""
+    torch.manual_seed(0)
+    module = LanguageModel(size="tiny", residual=StandardResidual(), z_loss=1e-4)
+    batch = torch.randint(0, 256, (2, 11))
+    ce, z, tokens = module._loss(batch)
+    logits = module.model(batch[:, :-1]).float()
+    assert tokens == 20
+    torch.testing.assert_close(ce, torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
+    torch.testing.assert_close(z, torch.logsumexp(logits, -1).pow(2).mean())
+    assert ce.item() == pytest.approx(math.log(256), abs=0.1)  # init logits are near-uniform
