@@ -1,0 +1,271 @@
+"""`python -m mhar_lit probe`: the query probe of SPEC G on a trained checkpoint.
+
+    python -m mhar_lit probe --ckpt runs/.../last.ckpt [--data PATH | --tokens-file ids.npy] [--tokens 100000]
+        [--slices 4] [--null-draws 5] [--seed 0] [--out probe_out] [--tracking-uri URI --run-id ID]
+
+Over a fixed held-out token set, every routing site's sources are captured (capture.observe_sources) and
+reduced on the fly (stats.RoutingStats) to: the shared routing distribution per head; for single-head
+models the S-slice width-disagreement KL with its matched-norm random-query null and the learned excess;
+for multi-head models the per-head deviation from the head consensus, its null and its split-half
+replication; and the source collinearity at the final site. Output: report.json plus heatmap PNGs in --out,
+optionally logged as artifacts (and summary metrics) to an existing MLflow run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from mhar_lit.analysis.capture import observe_sources, routed_residual
+from mhar_lit.analysis.metrics import head_deviation, matched_norm_queries
+from mhar_lit.analysis.stats import RoutingStats
+
+REPORT_FILE = "report.json"
+ARTIFACT_DIR = "probe"
+
+
+def site_kind(site: int, num_layers: int) -> str:
+    if site == 2 * num_layers:
+        return "final"
+    return "attention" if site % 2 == 0 else "mlp"
+
+
+def _forward(model: nn.Module, input_ids_BT: Tensor) -> None:
+    # hidden_states skips the LM head: its [B, T, V] logits are the largest tensor and the probe needs none.
+    run = getattr(model, "hidden_states", model)
+    run(input_ids_BT)
+
+
+@torch.no_grad()
+def collect_stats(model: nn.Module, input_ids_QT: Tensor, slices: int = 4, null_draws: int = 5, seed: int = 0,
+                  batch_size: int = 8) -> RoutingStats:
+    """Run the model over the sequences [Q, T] in order and accumulate every probe statistic.
+
+    The first ceil(Q/2) sequences form split half 0, the rest half 1 (disjoint texts). The null queries
+    are drawn once per site from `seed` before any forward pass, so the report depends only on the seed.
+    """
+    residual = routed_residual(model)
+    if null_draws < 1:
+        raise ValueError(f"--null-draws must be >= 1, got {null_draws}")
+    if slices < 1:
+        raise ValueError(f"--slices must be >= 1, got {slices}")
+    generator = torch.Generator().manual_seed(seed)
+    null_RSD = matched_norm_queries(residual.query.detach().float(), residual.heads, null_draws, generator)
+    stats = RoutingStats(residual.query.detach().float(), residual.key_norm.detach().float(), residual.heads,
+                         slices, null_RSD, collinearity_site=residual.query.shape[0] - 1, eps=residual.eps)
+    device = next(model.parameters()).device
+    half_Q = (torch.arange(input_ids_QT.shape[0]) >= math.ceil(input_ids_QT.shape[0] / 2)).long()
+    current = {"half": half_Q[:0]}
+    with observe_sources(model, lambda site, sources: stats.observe(site, sources, current["half"])):
+        for start in range(0, input_ids_QT.shape[0], batch_size):
+            current["half"] = half_Q[start : start + batch_size]
+            _forward(model, input_ids_QT[start : start + batch_size].to(device))
+    return stats
+
+
+def build_report(stats: RoutingStats, model: nn.Module, input_ids_QT: Tensor, seed: int,
+                 null_draws: int) -> dict[str, Any]:
+    """Every number of the probe as plain JSON-able values (no paths, no times: reproducible bit for bit)."""
+    residual = routed_residual(model)
+    num_layers = model.config.num_layers
+    sites = []
+    for site in sorted(stats.sites):
+        entry = {"site": site, "layer": site // 2 if site < 2 * num_layers else None,
+                 "kind": site_kind(site, num_layers)}
+        entry.update(stats.site_summary(site))
+        sites.append(entry)
+    return {
+        "seed": seed,
+        "tokens": int(input_ids_QT.numel()),
+        "sequences": int(input_ids_QT.shape[0]),
+        "seq_len": int(input_ids_QT.shape[1]),
+        "heads": residual.heads,
+        "slices": stats.slices,
+        "null_draws": null_draws,
+        "residual": type(residual).__name__,
+        "width_disagreement": stats.width_disagreement(),
+        "head_deviation": stats.head_deviation_summary(),
+        "collinearity": stats.collinearity(),
+        "sites": sites,
+    }
+
+
+def probe_model(model: nn.Module, input_ids_QT: Tensor, slices: int = 4, null_draws: int = 5, seed: int = 0,
+                batch_size: int = 8) -> tuple[dict[str, Any], RoutingStats]:
+    """The probe's report (and the raw accumulator, for figures) of a model on the sequences [Q, T]."""
+    stats = collect_stats(model, input_ids_QT, slices, null_draws, seed, batch_size)
+    return build_report(stats, model, input_ids_QT, seed, null_draws), stats
+
+
+# ---------------------------------------------------------------------- outputs
+def write_figures(stats: RoutingStats, out_dir: str) -> list[str]:
+    """Heatmaps of the routing weights (and deviations, or the per-site KL); [] without matplotlib."""
+    from mhar_lit.analysis import plots
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("probe: matplotlib is not installed; skipping the PNG figures", file=sys.stderr)
+        return []
+    written = []
+    weights = {s: stats.mean_weights(s) for s in stats.sites}
+    path = os.path.join(out_dir, "routing_weights.png")
+    plots.heads_heatmap(weights, "token-averaged routing weights (sites x sources)", path)
+    written.append(path)
+    multi = stats.multi_source_sites()
+    if stats.heads > 1 and multi:
+        path = os.path.join(out_dir, "head_deviation.png")
+        deviations = {s: head_deviation(weights[s]) for s in multi}
+        plots.heads_heatmap(deviations, "per-head deviation from the head consensus", path, diverging=True,
+                            label="Delta (weight - consensus)")
+        written.append(path)
+    summary = stats.width_disagreement()
+    if summary is not None:
+        path = os.path.join(out_dir, "width_disagreement.png")
+        per_site = [stats.site_summary(s)["width_disagreement"] for s in summary["sites"]]
+        plots.disagreement_plot(summary["sites"], [p["trained"] for p in per_site], [p["null"] for p in per_site],
+                                f"width-disagreement, S = {stats.slices} slices", path)
+        written.append(path)
+    return written
+
+
+def summary_metrics(report: dict[str, Any]) -> dict[str, float]:
+    """Headline numbers as flat MLflow metric names (None values are left out)."""
+    metrics = {}
+    for section, keys in (("width_disagreement", ("trained", "null", "excess")),
+                          ("head_deviation", ("max_abs", "max_abs_first_10_sites", "null_max_abs", "split_half_r",
+                                              "cross_head_r")),
+                          ("collinearity", ("mean_pairwise_cosine",))):
+        values = report.get(section) or {}
+        for key in keys:
+            if values.get(key) is not None:
+                metrics[f"probe/{section}/{key}"] = float(values[key])
+    return metrics
+
+
+def log_to_mlflow(tracking_uri: str, run_id: str, paths: list[str], metrics: dict[str, float]) -> None:
+    """Attach the probe's files (under probe/) and headline metrics to an existing MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    client.get_run(run_id)  # fails early and clearly on a wrong run id, before anything is logged
+    for path in paths:
+        client.log_artifact(run_id, path, artifact_path=ARTIFACT_DIR)
+    for key, value in metrics.items():
+        client.log_metric(run_id, key, value)
+
+
+# ---------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mhar_lit probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ckpt", required=True, help="an mhar_lit Lightning checkpoint (.ckpt)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--data", help="held-out text: a .txt/.jsonl/.parquet file, directory or glob, or a "
+                                       "litdata-optimized directory (default: the embedded corpus)")
+    source.add_argument("--tokens-file", help="token ids, .npy or .pt, 1-D stream or 2-D [sequences, length]")
+    parser.add_argument("--tokenizer", help="tokenizer for --data / the embedded corpus: 'bytes' or a tokenizer.json "
+                                            "(default: the checkpoint's datamodule setting, else 'bytes')")
+    parser.add_argument("--val-fraction", type=float, help="held-out fraction of documents (content hash, as in "
+                                                           "training; default: the checkpoint's, else 0.005)")
+    parser.add_argument("--text-field", default="text", help="the text column of .jsonl/.parquet inputs")
+    parser.add_argument("--tokens", type=int, default=100_000, help="number of held-out tokens (default 100000)")
+    parser.add_argument("--seq-len", type=int, help="sequence length (default min(1024, max positions))")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--slices", type=int, default=4, help="query slices S for the width-disagreement")
+    parser.add_argument("--null-draws", type=int, default=5, help="matched-norm random queries to average")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random null")
+    parser.add_argument("--out", default="probe_out", help="output directory (report.json and PNGs)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    parser.add_argument("--no-figures", action="store_true", help="write report.json only")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI of the run to attach the outputs to")
+    parser.add_argument("--run-id", help="MLflow run id (with --tracking-uri)")
+    parser.add_argument("--trust-checkpoint", action="store_true",
+                        help="allow a checkpoint with pickled Python objects (only for files you created)")
+    return parser
+
+
+def _checkpoint_data_settings(path: str) -> dict[str, Any]:
+    """The datamodule hyperparameters saved in a Lightning checkpoint ({} when absent or unreadable)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # a pickled checkpoint or an old format: fall back to the command-line defaults
+        return {}
+    settings = checkpoint.get("datamodule_hyper_parameters") or {}
+    return dict(settings) if isinstance(settings, dict) else {}
+
+
+def _input_ids(args: argparse.Namespace, model: nn.Module) -> tuple[Tensor, dict[str, Any]]:
+    from mhar_lit.analysis.tokens import DEFAULT_VAL_FRACTION, heldout_tokens, load_token_file, to_sequences
+
+    seq_len = args.seq_len or min(1024, model.config.max_position_embeddings)
+    if args.tokens_file:
+        ids, origin = load_token_file(args.tokens_file), {"kind": "tokens_file", "path": args.tokens_file}
+    else:
+        from mhar_lit.data.tokenizer import load_tokenizer
+
+        saved = _checkpoint_data_settings(args.ckpt)
+        spec = args.tokenizer or saved.get("tokenizer") or "bytes"
+        if str(spec).startswith("bpe:"):
+            raise ValueError(f"tokenizer {spec!r} is trained at data preparation time; pass --tokenizer with the "
+                             "path of its cached tokenizer.json (under the data cache's tokenizers/ directory)")
+        fraction = args.val_fraction if args.val_fraction is not None else saved.get("val_fraction",
+                                                                                       DEFAULT_VAL_FRACTION)
+        ids, origin = heldout_tokens(args.data, load_tokenizer(spec), args.tokens, seq_len, fraction,
+                                     args.text_field)
+    ids_QT = to_sequences(ids, args.tokens, seq_len)
+    vocab = model.config.vocab_size
+    if int(ids_QT.min()) < 0 or int(ids_QT.max()) >= vocab:
+        raise ValueError(f"token ids span [{int(ids_QT.min())}, {int(ids_QT.max())}] but the model's vocab_size "
+                         f"is {vocab}: wrong tokenizer or tokens file for this checkpoint?")
+    return ids_QT, origin
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from mhar_lit.lit.module import model_from_checkpoint, strategy_signature
+
+    if bool(args.tracking_uri) != bool(args.run_id):
+        raise ValueError("--tracking-uri and --run-id go together")
+    model = model_from_checkpoint(args.ckpt, trust_pickle=args.trust_checkpoint)
+    routed_residual(model)  # a clear error before any data is read
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    ids_QT, origin = _input_ids(args, model)
+    report, stats = probe_model(model, ids_QT, args.slices, args.null_draws, args.seed, args.batch_size)
+    report = {"checkpoint": os.path.abspath(args.ckpt), "token_source": origin,
+              "model": {"config": model.config.to_dict(), "residual": strategy_signature(model.residual)}, **report}
+    os.makedirs(args.out, exist_ok=True)
+    report_path = os.path.join(args.out, REPORT_FILE)
+    with open(report_path, "w") as fh:
+        json.dump(report, fh, indent=1, allow_nan=False)
+    files = [report_path] + ([] if args.no_figures else write_figures(stats, args.out))
+    if args.tracking_uri:
+        log_to_mlflow(args.tracking_uri, args.run_id, files, summary_metrics(report))
+    return report
+
+
+def _print_summary(report: dict[str, Any], out: str) -> None:
+    print(f"probe: {report['tokens']} tokens, {len(report['sites'])} sites, heads={report['heads']} -> {out}")
+    for key, value in summary_metrics(report).items():
+        print(f"  {key.removeprefix('probe/')}: {value:.4f}")
+
+
+def probe_main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = run(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"probe: error: {err}", file=sys.stderr)
+        return 2
+    _print_summary(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(probe_main())
