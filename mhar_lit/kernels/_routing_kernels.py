@@ -28,8 +28,25 @@ ACC is a constexpr (tl.float32, or tl.float64 so that float64 gradcheck runs in 
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# The interpreter converts fp32 -> bf16 by truncation (GPUs round to nearest even); emulate the hardware's
+# rounding there so that interpreter tests see the numerics the GPU produces. Read at decoration time, like
+# TRITON_INTERPRET itself.
+SOFTWARE_BF16_ROUNDING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _to_storage(x, ty: tl.constexpr):
+    """x rounded to the storage dtype `ty` (round to nearest even, also in the interpreter)."""
+    if SOFTWARE_BF16_ROUNDING and ty == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return x.to(ty)
 
 
 @triton.jit
@@ -95,14 +112,14 @@ def _site_fwd_kernel(
         m, l, acc = _online_update(v, r, w_HK, m, l, acc, store_ty)
 
     out = acc / l[:, :, None]
-    tl.store(out_ptr + tile, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + tile, _to_storage(out, out_ptr.dtype.element_ty), mask=mask)
     tl.store(lse_ptr + th, m + tl.log(l), mask=mask_th)
 
 
 @triton.jit
 def _online_update(v, r, w_HK, m, l, acc, store_ty: tl.constexpr):
     """Fold one source row (full-row tile) into the running softmax state of one site."""
-    kr = (v * r[:, None, None]).to(store_ty).to(v.dtype)
+    kr = _to_storage(v * r[:, None, None], store_ty).to(v.dtype)
     logit = tl.sum(kr * w_HK[None, :, :], axis=2)  # [BLOCK_T, H_P]
     m_new = tl.maximum(m, logit)
     scale = tl.exp(m - m_new)
@@ -142,7 +159,7 @@ def _prefix_fwd_kernel(
     for n in range(0, n_rows):
         v = tl.load(rows_ptr + n * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC)
         r = tl.load(r_ptr + n * P + offs_t, mask=mask_t, other=0.0).to(ACC)
-        kr = (v * r[:, None]).to(store_ty).to(ACC)
+        kr = _to_storage(v * r[:, None], store_ty).to(ACC)
         logit = tl.sum(kr[None, :, :] * w_CK[:, None, :], axis=2)  # [C_P, BLOCK_T]
         m_new = tl.maximum(m, logit)
         scale = tl.exp(m - m_new)
@@ -216,7 +233,7 @@ def _site_bwd_kernel(
     for n in range(n_lo, n_hi):
         v = tl.load(rows_ptr + n * row_stride + tile, mask=mask, other=0.0).to(ACC)
         r = tl.load(r_ptr + n * P + offs_t, mask=mask_t, other=0.0).to(ACC)
-        kr = (v * r[:, None, None]).to(store_ty).to(ACC)
+        kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
         if HAS_INIT:
             dv = tl.load(part_dv_ptr + part_slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
             c = tl.sum(tl.load(part_c_ptr + part_slot * P * H + th, mask=mask_th, other=0.0).to(ACC), axis=1)
@@ -233,7 +250,7 @@ def _site_bwd_kernel(
             dv, c, a_HK = _pair_bwd(v, kr, r, dout, w_HK, lse, S, dv, c)
             tl.store(a_other_ptr + ((s - other_lo) * tl.num_programs(0) + pid) * D + col_HK, a_HK, mask=mask_hk)
         dv -= (r * r * c / D)[:, None, None] * v
-        tl.store(dsrc_ptr + (n - n_lo) * row_stride + tile, dv.to(dsrc_ptr.dtype.element_ty), mask=mask)
+        tl.store(dsrc_ptr + (n - n_lo) * row_stride + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
     tl.store(a_new_ptr + pid * D + col_HK, a_new, mask=mask_hk)
 
 
@@ -265,7 +282,7 @@ def _suffix_bwd_kernel(
     rows_GTK = (n_lo + offs_g)[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
     v = tl.load(rows_ptr + rows_GTK, mask=mask_GTK, other=0.0).to(ACC)
     r = tl.load(r_ptr + (n_lo + offs_g)[:, None] * P + offs_t[None, :], mask=mask_GT, other=0.0).to(ACC)
-    kr = (v * r[:, :, None]).to(store_ty).to(ACC)
+    kr = _to_storage(v * r[:, :, None], store_ty).to(ACC)
     dv = tl.zeros([G_P, BLOCK_T, K_P], ACC)
     c = tl.zeros([G_P, BLOCK_T], ACC)
     for s in range(s_lo, s_hi):

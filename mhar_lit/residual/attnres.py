@@ -80,23 +80,77 @@ class RoutedResidual(ResidualStrategy):
         return 2 * self.model_config.num_layers
 
 
+class _TritonFullState:
+    """FullAttnRes depth state on the triton backend: the chunked routing of this forward pass (one shared
+    source buffer, see mhar_lit.kernels.full_routing) and the source the next site brings."""
+
+    __slots__ = ("routing", "pending", "count")
+
+    def __init__(self, routing, embedding: Tensor) -> None:
+        self.routing = routing
+        self.pending: Optional[Tensor] = embedding
+        self.count = 1  # sources produced so far
+
+
 class FullAttnRes(RoutedResidual):
-    """Full attention residuals over the embedding and every raw sublayer output. heads=1: single-head."""
+    """Full attention residuals over the embedding and every raw sublayer output. heads=1: single-head.
+
+    backend="triton" routes through mhar_lit.kernels.full_routing.FullRouting (chunked cross-site reuse):
+    `triton_chunk` sites share one forward prefix pass, `triton_group` sources one backward suffix pass.
+    That path needs every site exactly once per forward pass and the backward in reverse order; activation
+    checkpointing that recomputes routing raises a RuntimeError (checkpointing sublayers is fine).
+    """
+
+    def __init__(self, heads: int = 8, backend: str = "torch", random_query_init: bool = False,
+                 eps: float = 1e-6, triton_chunk: int = 8, triton_group: int = 4) -> None:
+        super().__init__(heads=heads, backend=backend, random_query_init=random_query_init, eps=eps)
+        self.triton_chunk = triton_chunk
+        self.triton_group = triton_group
 
     def begin(self, embedding: Tensor) -> list[Tensor]:
+        if self.backend == "triton":
+            return self._triton_begin(embedding)
         return [embedding]
 
     def sublayer_input(self, state: list[Tensor], site: int) -> Tensor:
+        if isinstance(state, _TritonFullState):
+            return self._triton_route(state, site)
         if len(state) != site + 1:
             raise RuntimeError(f"site {site} expected {site + 1} sources, found {len(state)}")
         return self.route_sources(state, site)
 
     def sublayer_output(self, state: list[Tensor], site: int, output: Tensor) -> list[Tensor]:
+        if isinstance(state, _TritonFullState):
+            state.pending, state.count = output, state.count + 1
+            return state
         state.append(output)
         return state
 
     def final(self, state: list[Tensor]) -> Tensor:
+        if isinstance(state, _TritonFullState):
+            return self._triton_route(state, self.final_site)
         return self.route_sources(state, self.final_site)
+
+    # ---- triton path (chunked full-mode routing; the torch path above is unchanged)
+    def _triton_begin(self, embedding: Tensor) -> _TritonFullState:
+        from mhar_lit.kernels.full_routing import FullRouting
+
+        routing = FullRouting(embedding, self.query, self.key_norm, self.heads, self.eps,
+                              chunk=self.triton_chunk, group=self.triton_group)
+        return _TritonFullState(routing, embedding)
+
+    def _triton_route(self, state: _TritonFullState, site: int) -> Tensor:
+        if state.count != site + 1 or state.pending is None:
+            raise RuntimeError(f"site {site} expected {site + 1} sources, found {state.count}")
+        params = (self.query, self.key_norm) if site == 0 else (None, None)
+        mixed = state.routing.route(site, state.pending, *params)
+        state.pending = None
+        if self.record_weights:
+            with torch.no_grad():
+                stacked = state.routing.sources_view(site + 1)
+                weights = routing_weights(stacked, self.query[site], self.key_norm[site], self.heads, self.eps)
+                self.recorded[site] = weights.mean(dim=(1, 2)).float().cpu()  # [N, H], token average
+        return mixed
 
 
 class _BlockState:

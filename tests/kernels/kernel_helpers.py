@@ -1,0 +1,46 @@
+"""Shared helpers of the kernel tests: fresh random cases, relative errors, a reference full-mode loop."""
+
+import torch
+
+from mhar_lit.routing import route
+
+
+def fresh_generator() -> torch.Generator:
+    """A new seed every run (printed by the failing assertion's message through `seed`)."""
+    seed = int(torch.seed() % 2**31)
+    return torch.Generator().manual_seed(seed)
+
+
+def random_case(n, b, t, d, dtype, gen):
+    """Sources of varied scale per row, a random (never zero) query and a non-trivial norm weight."""
+    sources = torch.randn(n, b, t, d, generator=gen, dtype=torch.float64)
+    sources = sources * (0.5 + 3 * torch.rand(n, 1, 1, 1, generator=gen, dtype=torch.float64))
+    query = torch.randn(d, generator=gen, dtype=torch.float64)
+    norm_weight = 1 + 0.3 * torch.randn(d, generator=gen, dtype=torch.float64)
+    return sources.to(dtype), query.to(dtype), norm_weight.to(dtype)
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def leaf(*xs):
+    return [x.detach().clone().requires_grad_() for x in xs]
+
+
+def full_mode_loss(routing_fn, emb, q_SD, g_SD, mats, dout):
+    """A full-mode stack without the model: site s routes S_0..S_s, S_{s+1} = tanh(x_s @ M_s); the loss
+    touches every site output (through the sources) and the final one through dout."""
+    sources = [emb]
+    x = None
+    for s in range(q_SD.shape[0]):
+        x = routing_fn(s, sources)
+        if s < q_SD.shape[0] - 1:
+            sources.append(torch.tanh(x @ mats[s]))
+    extra = sum((y.to(torch.float64) ** 2).sum() for y in sources[1:]) * 0.01
+    return (x.to(torch.float64) * dout).sum() + extra
+
+
+def torch_site(q_SD, g_SD, heads):
+    return lambda s, sources: route(torch.stack(sources), q_SD[s], g_SD[s], heads)

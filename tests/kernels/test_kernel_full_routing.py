@@ -1,0 +1,206 @@
+"""Chunked full-mode Triton routing (FullRouting, FullAttnRes(backend="triton")) in the interpreter.
+
+Every check draws fresh random inputs and random (never zero) queries. fp32 results must match the float64
+PyTorch reference to 1e-5 relative; bf16 within 2x the reference's own bf16 error + 1e-3 (see
+test_kernel_routing.py for why).
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_helpers import fresh_generator, full_mode_loss, leaf, rel, torch_site  # noqa: E402
+
+from mhar_lit.config import ModelConfig  # noqa: E402
+from mhar_lit.kernels.full_routing import FullRouting  # noqa: E402
+from mhar_lit.models.decoder import DecoderLM  # noqa: E402
+from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes  # noqa: E402
+from mhar_lit.routing import route  # noqa: E402
+
+
+def _problem(n_sites, b, t, d, gen):
+    emb = torch.randn(b, t, d, generator=gen, dtype=torch.float64) * 2
+    q = torch.randn(n_sites, d, generator=gen, dtype=torch.float64)
+    g = 1 + 0.3 * torch.randn(n_sites, d, generator=gen, dtype=torch.float64)
+    mats = [torch.randn(d, d, generator=gen, dtype=torch.float64) / d**0.5 for _ in range(n_sites)]
+    dout = torch.randn(b, t, d, generator=gen, dtype=torch.float64)
+    return emb, q, g, mats, dout
+
+
+def _loss_and_grads(kind, emb, q, g, mats, dout, heads, dtype, chunk=3, group=2):
+    e, qq, gg = leaf(emb.to(dtype), q.to(dtype), g.to(dtype))
+    mats = [m.to(dtype) for m in mats]
+    if kind == "torch":
+        site_fn = torch_site(qq, gg, heads)
+    else:
+        routing = FullRouting(e, qq, gg, heads, chunk=chunk, group=group)
+
+        def site_fn(s, sources):
+            params = (qq, gg) if s == 0 else (None, None)
+            return routing.route(s, sources[-1], *params)
+
+    loss = full_mode_loss(site_fn, e, qq, gg, mats, dout)
+    return (loss, *torch.autograd.grad(loss, (e, qq, gg)))
+
+
+@pytest.mark.parametrize("n_sites,heads,d,chunk,group", [
+    (7, 3, 12, 3, 2),   # partial last chunk and group, H not a power of two
+    (9, 4, 20, 4, 3),   # K = 5
+    (5, 1, 8, 8, 8),    # one chunk, one group, single head
+    (6, 2, 16, 1, 1),   # unchunked: every site its own prefix pass / group
+])
+def test_fp32_matches_float64_reference(n_sites, heads, d, chunk, group):
+    gen = fresh_generator()
+    problem = _problem(n_sites, 2, 3, d, gen)
+    ref = _loss_and_grads("torch", *problem, heads, torch.float64)
+    got = _loss_and_grads("triton", *problem, heads, torch.float32, chunk, group)
+    for name, a, r in zip(("loss", "d_embedding", "d_query", "d_norm_weight"), got, ref):
+        assert rel(a, r) <= 1e-5, f"{name}: {rel(a, r):.2e} (seed {gen.initial_seed()})"
+
+
+def test_chunked_equals_unchunked_and_per_call_path():
+    gen = fresh_generator()
+    problem = _problem(8, 1, 4, 16, gen)
+    unchunked = _loss_and_grads("triton", *problem, 4, torch.float32, chunk=1, group=1)
+    chunked = _loss_and_grads("triton", *problem, 4, torch.float32, chunk=3, group=5)
+    emb, q, g, mats, dout = problem
+    e, qq, gg = leaf(emb.float(), q.float(), g.float())
+    per_call = lambda s, sources: route(torch.stack(sources), qq[s], gg[s], 4, backend="triton")  # noqa: E731
+    loss = full_mode_loss(per_call, e, qq, gg, [m.float() for m in mats], dout)
+    per_call_grads = (loss, *torch.autograd.grad(loss, (e, qq, gg)))
+    for a, b, c in zip(chunked, unchunked, per_call_grads):
+        assert rel(a, b) <= 1e-6 and rel(a, c) <= 1e-6
+
+
+def test_float64_gradcheck():
+    gen = fresh_generator()
+    emb, q, g, mats, dout = _problem(4, 1, 2, 6, gen)
+
+    def fn(e, qq, gg):
+        routing = FullRouting(e, qq, gg, 2, chunk=2, group=2)
+        site_fn = lambda s, src: routing.route(s, src[-1], *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
+        return full_mode_loss(site_fn, e, qq, gg, mats, dout)
+
+    assert torch.autograd.gradcheck(fn, tuple(leaf(emb, q, g)), eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_within_reference_rounding_error():
+    gen = fresh_generator()
+    problem = _problem(7, 2, 4, 32, gen)
+    exact = _loss_and_grads("torch", *problem, 4, torch.float64)
+    ref = _loss_and_grads("torch", *problem, 4, torch.bfloat16)
+    got = _loss_and_grads("triton", *problem, 4, torch.bfloat16)
+    for name, a, r, e in zip(("loss", "d_embedding", "d_query", "d_norm_weight"), got, ref, exact):
+        assert rel(a, e) <= 2 * rel(r, e) + 1e-3, f"{name}: {rel(a, e):.2e} vs {rel(r, e):.2e}"
+
+
+def test_repeated_runs_bitwise_identical():
+    gen = fresh_generator()
+    problem = _problem(7, 2, 3, 16, gen)
+    first = _loss_and_grads("triton", *problem, 4, torch.float32)
+    second = _loss_and_grads("triton", *problem, 4, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+# ---------------------------------------------------------------------------- models
+
+def _model_pair(residual_cls, seed, **kwargs):
+    """Two tiny float64 DecoderLMs with identical weights (random routing parameters), one per backend:
+    in float64 both compute the same function to rounding, so any wiring or gradient error shows."""
+    cfg = ModelConfig.from_name("tiny")
+    models = []
+    for backend in ("torch", "triton"):
+        torch.manual_seed(seed)
+        model = DecoderLM(cfg, residual_cls(backend=backend, **kwargs))
+        with torch.no_grad():
+            for name, p in model.residual.named_parameters():
+                p.copy_(torch.randn(p.shape) * (1.0 if name != "key_norm" else 0.3) + (name == "key_norm"))
+        models.append(model.double())
+    models[1].load_state_dict(models[0].state_dict())
+    return models
+
+
+def _step(model, ids, targets):
+    logits = model(ids)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    return loss.detach()
+
+
+def _assert_same_grads(ref_model, model, tol):
+    for (name, p_ref), (_, p) in zip(ref_model.named_parameters(), model.named_parameters()):
+        if p_ref.grad is None:
+            assert p.grad is None or p.grad.abs().max() == 0, name
+            continue
+        assert rel(p.grad, p_ref.grad) <= tol, f"{name}: {rel(p.grad, p_ref.grad):.2e}"
+
+
+@pytest.mark.parametrize("residual_cls,kwargs", [
+    (FullAttnRes, {"heads": 8}),
+    (FullAttnRes, {"heads": 1, "triton_chunk": 2, "triton_group": 3}),
+    (BlockAttnRes, {"heads": 4, "layers_per_block": 1}),
+    (DeltaAttnRes, {"heads": 4, "layers_per_block": 1}),
+])
+def test_decoder_triton_equals_torch_with_gradient_accumulation(residual_cls, kwargs):
+    seed = int(torch.seed() % 2**31)
+    ref_model, model = _model_pair(residual_cls, seed, **kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(2):  # two microbatches accumulate into .grad
+        ids = torch.randint(0, 256, (2, 8), generator=gen)
+        targets = torch.randint(0, 256, (2, 8), generator=gen)
+        loss_ref, loss = _step(ref_model, ids, targets), _step(model, ids, targets)
+        assert rel(loss, loss_ref) <= 1e-10
+    _assert_same_grads(ref_model, model, 1e-9)
+    if residual_cls is DeltaAttnRes:  # the null source's gradient flows through the routed stack
+        assert model.residual.null.grad.abs().max() > 0
+
+
+def test_decoder_sublayer_checkpointing_works_with_triton_full_routing():
+    seed = int(torch.seed() % 2**31)
+    ref_model, model = _model_pair(FullAttnRes, seed, heads=4)
+    model.activation_checkpointing = True
+    ids = torch.randint(0, 256, (1, 8))
+    assert rel(_step(model, ids, ids), _step(ref_model, ids, ids)) <= 1e-10
+    _assert_same_grads(ref_model, model, 1e-9)
+
+
+def test_checkpointed_routing_raises_clearly():
+    gen = fresh_generator()
+    emb, q, g, mats, _ = _problem(3, 1, 2, 8, gen)
+    e, qq, gg = leaf(emb.float(), q.float(), g.float())
+    routing = FullRouting(e, qq, gg, 2)
+    x = routing.route(0, e, qq, gg)
+    y = torch.tanh(x @ mats[0].float())
+    x = torch.utils.checkpoint.checkpoint(lambda src: torch.tanh(routing.route(1, src)), y, use_reentrant=False)
+    y = torch.tanh(x @ mats[1].float())
+    out = routing.route(2, y)
+    with pytest.raises(RuntimeError, match="checkpointing"):
+        out.sum().backward()
+
+
+def test_unused_site_output_raises():
+    gen = fresh_generator()
+    emb, q, g, _, _ = _problem(3, 1, 2, 8, gen)
+    e, qq, gg = leaf(emb.float(), q.float(), g.float())
+    routing = FullRouting(e, qq, gg, 2)
+    x0 = routing.route(0, e, qq, gg)
+    x1 = routing.route(1, x0 * 2)
+    routing.route(2, torch.tanh(x0))  # the final site's output never reaches the loss
+    with pytest.raises(RuntimeError, match="reverse order"):
+        x1.sum().backward()
+
+
+def test_decoder_fp32_triton_close_to_float64_torch():
+    """The fp32 Triton model against the float64 reference: within fp32 error amplified by the model."""
+    seed = int(torch.seed() % 2**31)
+    ref_model, model = _model_pair(FullAttnRes, seed, heads=8)
+    model.float()
+    ids = torch.randint(0, 256, (2, 8))
+    loss, loss_ref = _step(model, ids, ids), _step(ref_model, ids, ids)
+    assert rel(loss, loss_ref) <= 1e-5
+    _assert_same_grads(ref_model, model, 1e-4)

@@ -1,0 +1,103 @@
+"""Per-call Triton routing (route(..., backend="triton")) against the PyTorch reference, in the interpreter.
+
+Tolerances: fp32 kernels must match the float64 reference to 1e-5 relative (fp32 arithmetic lands near
+1e-7; summation order differs). bf16/fp16: both the kernel and the reference in that dtype are compared with
+the float64 reference; the kernel's error may be at most 2x the reference's own rounding error plus 1e-3
+(the kernel does not round the key gradient to bf16 as the reference's autograd does, and takes the softmax
+coupling term from the rounded output, so the two errors are of the same size but not identical).
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_helpers import fresh_generator, leaf, random_case, rel  # noqa: E402
+
+from mhar_lit.routing import route  # noqa: E402
+
+SHAPES = [  # (N, B, T, D, H): H not a power of two, K = D/H not a power of two, H = 1, N = 1
+    (3, 2, 3, 12, 3),
+    (4, 1, 5, 20, 4),
+    (5, 2, 2, 16, 1),
+    (1, 1, 3, 8, 2),
+    (6, 1, 4, 24, 8),
+]
+
+
+def _grads(sources, q, g, heads, dout, backend):
+    s, qq, gg = leaf(sources, q, g)
+    out = route(s, qq, gg, heads, backend=backend)
+    return (out, *torch.autograd.grad(out, (s, qq, gg), dout.to(out.dtype)))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp32_forward_and_gradients_match_float64_reference(shape):
+    n, b, t, d, h = shape
+    gen = fresh_generator()
+    sources, q, g = random_case(n, b, t, d, torch.float64, gen)
+    dout = torch.randn(b, t, d, generator=gen, dtype=torch.float64)
+    ref = _grads(sources, q, g, h, dout, "torch")
+    got = _grads(sources.float(), q.float(), g.float(), h, dout, "triton")
+    for name, a, r in zip(("out", "d_sources", "d_query", "d_norm_weight"), got, ref):
+        assert a.dtype == torch.float32
+        assert rel(a, r) <= 1e-5, f"{name}: rel err {rel(a, r):.2e} (seed {gen.initial_seed()})"
+
+
+def test_float64_gradcheck():
+    gen = fresh_generator()
+    sources, q, g = random_case(3, 1, 2, 6, torch.float64, gen)
+    fn = lambda s, qq, gg: route(s, qq, gg, 2, backend="triton")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, tuple(leaf(sources, q, g)), eps=1e-6, atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_within_reference_rounding_error(dtype):
+    gen = fresh_generator()
+    n, b, t, d, h = 5, 2, 4, 32, 4
+    sources, q, g = random_case(n, b, t, d, torch.float64, gen)
+    dout = torch.randn(b, t, d, generator=gen, dtype=torch.float64)
+    exact = _grads(sources, q, g, h, dout, "torch")
+    low = [x.to(dtype) for x in (sources, q, g)]
+    ref_low = _grads(*low, h, dout, "torch")
+    got_low = _grads(*low, h, dout, "triton")
+    for name, a, r, e in zip(("out", "d_sources", "d_query", "d_norm_weight"), got_low, ref_low, exact):
+        assert a.dtype == dtype
+        assert rel(a, e) <= 2 * rel(r, e) + 1e-3, (
+            f"{name}: triton {rel(a, e):.2e} vs reference {rel(r, e):.2e} (seed {gen.initial_seed()})"
+        )
+
+
+def test_single_head_equals_single_head_formula():
+    """H = 1 is the single-head (Kimi) formula: softmax over full-width keys, unnormalised values."""
+    gen = fresh_generator()
+    sources, q, g = random_case(4, 2, 3, 16, torch.float64, gen)
+    keys = sources / torch.sqrt(sources.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    alpha = torch.softmax(torch.einsum("nbtd,d->nbt", keys, q), dim=0)
+    expected = torch.einsum("nbt,nbtd->btd", alpha, sources)
+    got = route(sources.float(), q.float(), g.float(), 1, backend="triton")
+    assert rel(got, expected) <= 1e-5
+
+
+def test_repeated_runs_are_bitwise_identical():
+    gen = fresh_generator()
+    sources, q, g = random_case(5, 2, 3, 24, torch.float32, gen)
+    dout = torch.randn(2, 3, 24, generator=gen)
+    first = _grads(sources, q, g, 4, dout, "triton")
+    second = _grads(sources, q, g, 4, dout, "triton")
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_bad_arguments_raise():
+    sources = torch.randn(2, 1, 2, 12)
+    with pytest.raises(ValueError, match="divisible"):
+        route(sources, torch.randn(12), torch.ones(12), 5, backend="triton")
+    with pytest.raises(TypeError, match="supports"):
+        from mhar_lit.kernels.routing_triton import route_triton
+
+        route_triton(sources.to(torch.int32), torch.randn(12), torch.ones(12), 2)
