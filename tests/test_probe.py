@@ -43,9 +43,11 @@ def _stats_for_one_site(query_D, key_norm_D, heads, slices=4, draws=2):
 @pytest.mark.parametrize("heads", [1, 4])
 def test_keys_and_slice_logits_reproduce_the_routing_op(heads):
     g = torch.Generator().manual_seed(1)
-    sources, q, norm = torch.randn(5, 2, 3, 16, generator=g), torch.randn(16, generator=g), 1 + torch.rand(16, generator=g)
+    sources, q = torch.randn(5, 2, 3, 16, generator=g), torch.randn(16, generator=g)
+    norm = 1 + torch.rand(16, generator=g)
     keys = routing_keys(sources, norm, EPS)
-    torch.testing.assert_close(slice_logits(keys, q, heads), routing_logits(sources, q, norm, heads, EPS), rtol=0, atol=0)
+    reference = routing_logits(sources, q, norm, heads, EPS)
+    torch.testing.assert_close(slice_logits(keys, q, heads), reference, rtol=0, atol=0)
     torch.testing.assert_close(head_weights(keys, q, heads), routing_weights(sources, q, norm, heads, EPS))
     # The shared (single-head) logit is the sum of the slice logits: the identity the KL relies on.
     torch.testing.assert_close(slice_logits(keys, q, 4).sum(-1), slice_logits(keys, q, 1)[..., 0], rtol=1e-6, atol=1e-6)
@@ -173,7 +175,8 @@ def _numpy_width_kl(sources, query, norm, slices):
     """Independent implementation (numpy): mean over tokens and slices of KL(a_s || alpha)."""
     keys = sources / np.sqrt((sources**2).mean(-1, keepdims=True) + EPS) * norm
     d = sources.shape[-1]
-    per_slice = np.stack([keys[..., s * d // slices : (s + 1) * d // slices] @ query[s * d // slices : (s + 1) * d // slices]
+    width = d // slices
+    per_slice = np.stack([keys[..., s * width : (s + 1) * width] @ query[s * width : (s + 1) * width]
                           for s in range(slices)], axis=-1)  # [N, B, T, S]
 
     def log_softmax(x):
@@ -272,6 +275,7 @@ def test_head_deviation_and_split_half_correlation_of_a_known_structure():
     assert summary["split_half_r"] == pytest.approx(1.0, abs=1e-9)  # identical halves replicate exactly
     assert summary["max_abs"] == pytest.approx(p - 0.5, rel=1e-6)
     assert summary["cross_head_r"] == pytest.approx(-1.0, abs=1e-9)  # the two heads mirror each other
+    assert summary["cross_head_r_baseline"] == -1.0  # ... as any two heads must: deviations sum to 0
     assert 0.0 <= summary["null_max_abs"] <= 0.5
 
 

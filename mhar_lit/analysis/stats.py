@@ -102,7 +102,8 @@ class RoutingStats:
 
     def _observe_width_disagreement(self, sums: _SiteSums, site: int, keys_NBTD: Tensor) -> None:
         device = keys_NBTD.device
-        sums.kl_sum += float(width_disagreement_kl(keys_NBTD, self.query_SD[site].to(device), self.slices).double().sum())
+        kl_BT = width_disagreement_kl(keys_NBTD, self.query_SD[site].to(device), self.slices)
+        sums.kl_sum += float(kl_BT.double().sum())
         for r in range(self.draws):
             kl = width_disagreement_kl(keys_NBTD, self.null_RSD[r, site].to(device), self.slices)
             sums.null_kl_sum_R[r] += kl.double().sum().cpu()
@@ -174,6 +175,8 @@ class RoutingStats:
             "null_max_abs_first_10_sites": float(self._null_max_abs_R(first).mean()) if first else None,
             "split_half_r": self.split_half_correlation(sites),
             "cross_head_r": self.cross_head_correlation(sites),
+            # Deviations sum to zero over heads, so unrelated heads correlate at -1/(H-1), not 0 (H = 2: -1).
+            "cross_head_r_baseline": -1.0 / (self.heads - 1),
         }
 
     def split_half_correlation(self, sites: list[int]) -> Optional[float]:
