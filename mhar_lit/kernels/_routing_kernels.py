@@ -42,11 +42,16 @@ SOFTWARE_BF16_ROUNDING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") ==
 @triton.jit
 def _to_storage(x, ty: tl.constexpr):
     """x rounded to the storage dtype `ty` (round to nearest even, also in the interpreter)."""
-    if SOFTWARE_BF16_ROUNDING and ty == tl.bfloat16:
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-    return x.to(ty)
+    if SOFTWARE_BF16_ROUNDING:
+        if ty == tl.bfloat16:
+            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            y = bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        else:
+            y = x.to(ty)
+    else:
+        y = x.to(ty)
+    return y
 
 
 @triton.jit

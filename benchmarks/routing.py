@@ -1,0 +1,260 @@
+"""Routing-only benchmark: all 2L+1 full-mode routing calls of one microbatch, forward + backward.
+
+    python benchmarks/routing.py [--shapes 100M 350M 1B] [--variants torch compile triton triton_percall]
+                                 [--tune] [--out benchmarks/results]
+
+Sublayers are replaced by precomputed random outputs y_s tied to the site outputs x_s by a zero-cost
+autograd node (its backward hands x_s a precomputed random gradient), so autograd visits the sites in the
+same strict reverse order as in the model and only routing work is timed. Variants:
+  torch           the eager PyTorch reference (route(torch.stack(sources), ...) per site)
+  compile         torch.compile of the reference routing function (dynamic shapes: one graph for all N)
+  triton_percall  the per-call fused kernel (stack + route_triton per site; the paper's algorithm, retiled)
+  triton          chunked cross-site reuse (mhar_lit.kernels.full_routing.FullRouting)
+Before timing, every variant is checked on the GPU against the fp32 reference at the same depth and width
+with fewer tokens. Times: CUDA events around forward + backward after warm-up, median of repetitions.
+Prints a short table last; writes JSON and a markdown summary under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mhar_lit.routing import route, route_reference  # noqa: E402
+
+SHAPES = {  # name: (d, L, H, B, T); full mode has 2L+1 sites
+    "100M": (512, 12, 8, 8, 2048),
+    "350M": (1024, 24, 8, 4, 1024),
+    "1B": (1280, 36, 8, 2, 1024),
+}
+TARGET_MS = {"100M": 4.0, "350M": 7.0, "1B": 12.0}
+# A CPU smoke test of this script (TRITON_INTERPRET=1, --shapes tiny) catches mistakes before GPU time.
+SHAPES["tiny"], TARGET_MS["tiny"] = (32, 2, 4, 1, 16), 0.0
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _Tie(torch.autograd.Function):
+    """S_{s+1} = y_s, made to depend on x_s: backward gives x_s a fixed gradient (the sublayer's stand-in)."""
+
+    @staticmethod
+    def forward(ctx, x, y, dx):
+        ctx.dx = dx
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return ctx.dx, dy, None
+
+
+def make_problem(d, L, H, B, T, dtype, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    n = 2 * L + 1
+    kw = dict(device=DEVICE, generator=gen)
+    ys = [torch.randn(B, T, d, **kw).to(dtype) * (0.5 + s % 3) for s in range(n)]  # ys[0] is the embedding
+    douts = [torch.randn(B, T, d, **kw).to(dtype) for _ in range(n)]
+    q = (torch.randn(n, d, **kw) * 0.5).to(dtype)
+    g = (1 + 0.2 * torch.randn(n, d, **kw)).to(dtype)
+    return dict(n=n, H=H, ys=ys, douts=douts, q=q, g=g)
+
+
+def site_fn_torch(q, g, H, fn):
+    return lambda s, sources, routing: fn(torch.stack(sources), q[s], g[s], H)
+
+
+def run_once(prob, variant, leaves=None, compiled=None, options=None):
+    """Forward + backward of all sites; returns (leaves for grads)."""
+    n, H = prob["n"], prob["H"]
+    if leaves is None:
+        leaves = [y.detach().requires_grad_() for y in prob["ys"]] + [
+            prob["q"].detach().requires_grad_(), prob["g"].detach().requires_grad_()]
+    ys, q, g = leaves[:n], leaves[n], leaves[n + 1]
+    routing = None
+    if variant == "triton":
+        from mhar_lit.kernels.full_routing import FullRouting
+
+        routing = FullRouting(ys[0], q, g, H, **(options or {}))
+    sources = [ys[0]]
+    x = None
+    for s in range(n):
+        if variant == "triton":
+            x = routing.route(s, sources[-1], *((q, g) if s == 0 else (None, None)))
+        elif variant == "torch":
+            x = route(torch.stack(sources), q[s], g[s], H)
+        elif variant == "compile":
+            x = compiled(torch.stack(sources), q[s], g[s], H)
+        elif variant == "triton_percall":
+            x = route(torch.stack(sources), q[s], g[s], H, backend="triton")
+        if s < n - 1:
+            sources.append(_Tie.apply(x, ys[s + 1], prob["douts"][s]))
+    x.backward(prob["douts"][n - 1])
+    return leaves
+
+
+def grads_of(leaves):
+    n = len(leaves) - 2
+    return [torch.stack([leaf.grad for leaf in leaves[:n]]), leaves[n].grad, leaves[n + 1].grad]
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def check(shape_name, variant, compiled, options, tokens=256):
+    """Relative errors vs the fp32 reference on fp32 and on bf16 storage (depth and width of the shape)."""
+    d, L, H, _, _ = SHAPES[shape_name]
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        prob = make_problem(d, L, H, 1, tokens, dtype, seed=1)
+        ref32 = make_problem(d, L, H, 1, tokens, dtype, seed=1)
+        for key in ("ys", "douts"):
+            ref32[key] = [y.float() for y in ref32[key]]
+        ref32["q"], ref32["g"] = ref32["q"].float(), ref32["g"].float()
+        exact = grads_of(run_once(ref32, "torch"))
+        got = grads_of(run_once(prob, variant, compiled=compiled, options=options))
+        errs = [rel(a, b) for a, b in zip(got, exact)]
+        if dtype == torch.bfloat16:
+            ref_low = grads_of(run_once(prob, "torch"))
+            ref_errs = [rel(a, b) for a, b in zip(ref_low, exact)]
+            ok = all(e <= 2 * r + 1e-3 for e, r in zip(errs, ref_errs))
+            out["bf16"] = dict(errors=errs, reference_errors=ref_errs, ok=ok)
+        else:
+            out["fp32"] = dict(errors=errs, ok=all(e <= 1e-4 for e in errs))
+    return out
+
+
+def time_variant(prob, variant, compiled, options, warmup, reps):
+    for _ in range(warmup):
+        run_once(prob, variant, compiled=compiled, options=options)
+    if DEVICE == "cpu":  # smoke test only
+        t0 = time.perf_counter()
+        run_once(prob, variant, compiled=compiled, options=options)
+        return (time.perf_counter() - t0) * 1e3, []
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        leaves = [y.detach().requires_grad_() for y in prob["ys"]] + [
+            prob["q"].detach().requires_grad_(), prob["g"].detach().requires_grad_()]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run_once(prob, variant, leaves=leaves, compiled=compiled, options=options)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), times
+
+
+def copy_bandwidth():
+    if DEVICE == "cpu":
+        return 4.25e12
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 2 * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def floor_ms(shape_name, bandwidth):
+    d, L, H, B, T = SHAPES[shape_name]
+    n = 2 * L + 1
+    pairs = n * (n + 1) // 2
+    return pairs * B * T * d * 2 / bandwidth * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"])
+    parser.add_argument("--variants", nargs="+", default=["torch", "compile", "triton_percall", "triton"])
+    parser.add_argument("--tune", action="store_true", help="also time a small grid of chunk/group/warps")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args()
+    import triton
+
+    os.makedirs(args.out, exist_ok=True)
+    bandwidth = copy_bandwidth()
+    device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter smoke test)"
+    print(f"device {device_name}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    compiled = None
+    if "compile" in args.variants:
+        from torch import _dynamo
+
+        _dynamo.config.cache_size_limit = 256
+        compiled = torch.compile(route_reference, dynamic=True)
+    result = dict(device=device_name, torch=torch.__version__, triton=triton.__version__,
+                  date=datetime.datetime.now().isoformat(timespec="seconds"),
+                  command=" ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
+                  copy_bandwidth_TBps=bandwidth / 1e12, dtype="bfloat16", shapes={})
+    date = datetime.date.today().isoformat()
+    json_path = os.path.join(args.out, f"routing_h200_{date}.json")
+    for shape_name in args.shapes:
+        d, L, H, B, T = SHAPES[shape_name]
+        entry = dict(d=d, L=L, H=H, B=B, T=T, sites=2 * L + 1, floor_ms=floor_ms(shape_name, bandwidth),
+                     target_ms=TARGET_MS[shape_name], variants={})
+        result["shapes"][shape_name] = entry
+        print(f"\n== {shape_name}: d {d} L {L} H {H} B {B} T {T}; bandwidth floor (one forward read of every "
+              f"routed source) {entry['floor_ms']:.2f} ms", flush=True)
+        prob = make_problem(d, L, H, B, T, torch.bfloat16)
+        configs = [("triton", {})]
+        if args.tune and "triton" in args.variants:
+            configs += [("triton", dict(chunk=c, group=g, num_warps=w))
+                        for c, g, w in ((8, 4, 8), (4, 4, 4), (4, 8, 4), (8, 8, 4), (12, 4, 4), (12, 8, 4))]
+        # most important first: a run cut short by its time limit still leaves the triton numbers
+        plan = (configs if "triton" in args.variants else []) + [(v, {}) for v in args.variants if v != "triton"]
+        for variant, options in plan:
+            label = variant + ("" if not options else " " + ",".join(f"{k}={v}" for k, v in options.items()))
+            t0 = time.time()
+            try:
+                # torch is the reference itself; compile is checked against it only through the table
+                checked = check(shape_name, variant, compiled, options) if variant.startswith("triton") and not options else None
+                warmup, reps = (1, 3) if variant == "torch" else (2, args.reps)
+                ms, times = time_variant(prob, variant, compiled, options, warmup, reps)
+                entry["variants"][label] = dict(ms=ms, times=times, check=checked)
+                status = "" if checked is None else (
+                    f" check fp32 {max(checked['fp32']['errors']):.1e} bf16 {max(checked['bf16']['errors']):.1e}"
+                    f" (ref {max(checked['bf16']['reference_errors']):.1e}) "
+                    f"{'OK' if checked['fp32']['ok'] and checked['bf16']['ok'] else 'FAIL'}")
+                print(f"{label:40s} {ms:9.2f} ms{status}  [{time.time() - t0:.0f}s]", flush=True)
+            except torch.OutOfMemoryError as err:
+                entry["variants"][label] = dict(ms=None, error=f"OOM: {str(err)[:200]}")
+                print(f"{label:40s} OOM", flush=True)
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+            with open(json_path, "w") as f:
+                json.dump(result, f, indent=1)
+        del prob
+    print("\n| shape | floor ms | " + " | ".join(args.variants) + " | best triton config | target |")
+    for shape_name, entry in result["shapes"].items():
+        cells = []
+        for v in args.variants:
+            ms = entry["variants"].get(v, {}).get("ms")
+            cells.append("OOM" if ms is None else f"{ms:.2f}")
+        tri = {k: e["ms"] for k, e in entry["variants"].items() if k.startswith("triton") and
+               not k.startswith("triton_percall") and e.get("ms")}
+        best = min(tri, key=tri.get) if tri else "-"
+        best_ms = f"{tri[best]:.2f}" if tri else "-"
+        print(f"| {shape_name} | {entry['floor_ms']:.2f} | " + " | ".join(cells) +
+              f" | {best} {best_ms} | {entry['target_ms']} |")
+    print(f"\nwrote {json_path}")
+
+
+if __name__ == "__main__":
+    main()
