@@ -99,6 +99,6 @@ NAMED_SIZES: dict[str, dict[str, Any]] = {
                  max_position_embeddings=512),
     "tiny-4l": dict(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                     intermediate_size=128, max_position_embeddings=512),
-    "demo": dict(vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384,
+    "demo": dict(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384,
                  max_position_embeddings=512),
 }

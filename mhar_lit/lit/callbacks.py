@@ -31,6 +31,7 @@ class SpeedMonitor(L.Callback):
         self.every_n_steps, self.peak_tflops, self.skip_steps = every_n_steps, peak_tflops, skip_steps
         self._t0: Optional[float] = None
         self._tokens = 0
+        self._last_logged = -1
 
     def _sync(self, pl_module: L.LightningModule) -> None:
         if pl_module.device.type == "cuda":
@@ -45,8 +46,10 @@ class SpeedMonitor(L.Callback):
             self._t0, self._tokens = time.perf_counter(), 0
             return
         self._tokens += batch[:, :-1].numel() * trainer.world_size
-        if step % self.every_n_steps:
+        # With gradient accumulation several batches share one global step: log once per step.
+        if step % self.every_n_steps or step == self._last_logged:
             return
+        self._last_logged = step
         self._sync(pl_module)
         elapsed = time.perf_counter() - self._t0
         tokens_per_s = self._tokens / elapsed
@@ -118,11 +121,14 @@ class RoutingMonitor(L.Callback):
 
     def __init__(self, every_n_steps: int = 100, max_sequences: int = 2, log_heatmaps: bool = True) -> None:
         self.every_n_steps, self.max_sequences, self.log_heatmaps = every_n_steps, max_sequences, log_heatmaps
+        self._last_logged = -1
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if not isinstance(pl_module.model.residual, RoutedResidual) or step % self.every_n_steps or not trainer.is_global_zero:
+        routed = isinstance(pl_module.model.residual, RoutedResidual)
+        if not routed or step % self.every_n_steps or step == self._last_logged or not trainer.is_global_zero:
             return
+        self._last_logged = step
         self.log_routing(trainer, pl_module, batch[: self.max_sequences, :-1], step)
 
     def on_train_end(self, trainer, pl_module) -> None:

@@ -1,0 +1,145 @@
+"""Time full training steps (forward + backward + fused AdamW) of each method at the paper's sizes.
+
+    python benchmarks/train_step.py [--sizes 100M 350M 1B] [--methods baseline mhar block hf] [--steps 10]
+
+Per (size, method): bf16 parameters and compute (the paper's bf16-true), the paper's per-GPU microbatch
+(100M: 8 x 2048, 350M: 4 x 1024, 1B: 2 x 1024), fused AdamW, loss as in LanguageModel. Warm-up steps
+first, then CUDA-event timing of each step; reports median ms/step, tokens/s, peak memory and the ratio to
+our baseline measured in the same process. "hf" is transformers' Qwen3ForCausalLM of the same shape.
+Writes JSON (device, versions, date, command) and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mhar_lit.config import ModelConfig  # noqa: E402
+from mhar_lit.models.decoder import DecoderLM  # noqa: E402
+from mhar_lit.residual import BlockAttnRes, FullAttnRes, StandardResidual  # noqa: E402
+
+MICROBATCH = {"100M": (8, 2048), "350M": (4, 1024), "1B": (2, 1024)}
+BLOCK_LAYERS = {"100M": 2, "350M": 3, "1B": 6}  # 6, 8 and 6 blocks (the paper's ceil rule gives the same)
+
+
+def build(size: str, method: str, backend: str):
+    cfg = ModelConfig.from_name(size)
+    if method == "hf":
+        import transformers
+
+        hf_cfg = transformers.Qwen3Config(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, tie_word_embeddings=True,
+            max_position_embeddings=cfg.max_position_embeddings, attn_implementation="sdpa",
+        )
+        return transformers.Qwen3ForCausalLM(hf_cfg)
+    residual = {
+        "baseline": lambda: StandardResidual(),
+        "mhar": lambda: FullAttnRes(heads=8, backend=backend),
+        "single": lambda: FullAttnRes(heads=1, backend=backend),
+        "block": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend),
+    }[method]()
+    return DecoderLM(cfg, residual)
+
+
+def loss_fn(model, method: str, batch: torch.Tensor) -> torch.Tensor:
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    if method == "hf":
+        logits = model(input_ids=inputs).logits
+    else:
+        logits = model(inputs)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def time_method(size: str, method: str, steps: int, warmup: int, backend: str) -> dict:
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = build(size, method, backend).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    b, t = MICROBATCH[size]
+    vocab = model.config.vocab_size
+    batches = [torch.randint(0, vocab, (b, t + 1), device="cuda") for _ in range(4)]
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(warmup + steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = loss_fn(model, method, batches[step % len(batches)])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        end.record()
+        torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(start.elapsed_time(end))
+    ms = statistics.median(times)
+    result = {"size": size, "method": method, "ms_per_step": ms, "tokens_per_s": b * t / ms * 1e3,
+              "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
+              "step_ms_all": times, "microbatch": [b, t]}
+    del model, opt, batches, loss
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", nargs="+", default=["100M", "350M", "1B"])
+    parser.add_argument("--methods", nargs="+", default=["baseline", "mhar", "block", "hf"])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results = []
+    for size in args.sizes:
+        for method in args.methods:
+            try:
+                results.append(time_method(size, method, args.steps, args.warmup, args.backend))
+            except Exception as err:  # record and continue: one failing method must not hide the others
+                results.append({"size": size, "method": method, "error": f"{type(err).__name__}: {err}"})
+                gc.collect()
+                torch.cuda.empty_cache()
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "step_ms_all"}), flush=True)
+    base = {r["size"]: r for r in results if r["method"] == "baseline" and "error" not in r}
+    for r in results:
+        if "error" not in r and r["size"] in base:
+            r["throughput_vs_baseline"] = r["tokens_per_s"] / base[r["size"]]["tokens_per_s"]
+            r["memory_vs_baseline"] = r["peak_mem_gb"] / base[r["size"]]["peak_mem_gb"]
+    import triton
+
+    report = {
+        "benchmark": "train_step", "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "routing_backend": args.backend, "results": results,
+    }
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"train_step_{dt.date.today()}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as fh:
+        json.dump(report, fh, indent=2)
+    print(f"\n{'size':<6} {'method':<9} {'ms/step':>8} {'tok/s':>9} {'vs base':>8} {'mem GB':>7} {'mem x':>6}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['size']:<6} {r['method']:<9} ERROR {r['error'][:80]}")
+            continue
+        print(f"{r['size']:<6} {r['method']:<9} {r['ms_per_step']:>8.1f} {r['tokens_per_s']:>9.0f} "
+              f"{r.get('throughput_vs_baseline', float('nan')):>8.3f} {r['peak_mem_gb']:>7.1f} "
+              f"{r.get('memory_vs_baseline', float('nan')):>6.3f}")
+
+
+if __name__ == "__main__":
+    main()
