@@ -48,14 +48,19 @@ def _check_route_args(sources: Tensor, query: Tensor, norm_weight: Tensor, heads
     check_heads(width, heads)
 
 
-def routing_logits(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
-    """Raw routing logits [N, B, T, H] in the compute dtype (reference math, see module docstring)."""
-    n, b, t, d = sources.shape
+def routing_keys(sources: Tensor, norm_weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """Keys k_n = round_storage(S_n r(S_n)) * g [N, B, T, D] in the compute dtype; r over the FULL width."""
     ctype = compute_dtype(sources.dtype)
     v = sources.to(ctype)
     inv_rms = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-    keys = (v * inv_rms).to(sources.dtype).to(ctype) * norm_weight.to(ctype)
-    q_HK = query.to(ctype).view(heads, d // heads)
+    return (v * inv_rms).to(sources.dtype).to(ctype) * norm_weight.to(ctype)
+
+
+def routing_logits(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
+    """Raw routing logits [N, B, T, H] in the compute dtype (reference math, see module docstring)."""
+    n, b, t, d = sources.shape
+    keys = routing_keys(sources, norm_weight, eps)
+    q_HK = query.to(keys.dtype).view(heads, d // heads)
     return (keys.view(n, b, t, heads, d // heads) * q_HK).sum(-1)
 
 

@@ -13,18 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from mhar_lit.routing import compute_dtype
-
-
-def routing_keys(sources_NBTD: Tensor, key_norm_D: Tensor, eps: float = 1e-6) -> Tensor:
-    """Keys k_n = RMSNorm_g(S_n) [N, B, T, D], exactly as routing.routing_logits builds them.
-
-    Computed once per site and batch, then shared by the trained query, the slices and every null draw.
-    """
-    ctype = compute_dtype(sources_NBTD.dtype)
-    v = sources_NBTD.to(ctype)
-    inv_rms = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)  # statistic over the full width (SPEC C)
-    return (v * inv_rms).to(sources_NBTD.dtype).to(ctype) * key_norm_D.to(ctype)
+from mhar_lit.routing import compute_dtype, routing_keys  # noqa: F401  (routing_keys re-exported for the probe)
 
 
 def slice_logits(keys_NBTD: Tensor, query_D: Tensor, parts: int) -> Tensor:
