@@ -118,3 +118,41 @@ def test_gradient_accumulation_updates_once_per_optimizer_step(tmp_path):
 def test_bad_decay_is_rejected():
     with pytest.raises(ValueError, match="decay"):
         WeightEMA(decay=1.0)
+
+
+def _sharded_worker(rank, world, init_file, ckpt_file):
+    """One rank of a 2-process gloo run: save a per-rank shadow through rank 0, restore each rank's slice."""
+    import types
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    FSDPStrategy = type("FSDPStrategy", (), {})  # noqa: N806  (recognised by name, as Lightning's)
+    trainer = types.SimpleNamespace(global_rank=rank, world_size=world, strategy=FSDPStrategy())
+    layer = nn.Linear(rank + 1, 1, bias=False)  # ranks hold differently shaped slices, as under FSDP
+    ema = WeightEMA(decay=0.5)
+    ema.setup(trainer, None, "fit")
+    with torch.no_grad():
+        layer.weight.fill_(float(rank + 1))
+    ema.init_from(layer)
+    state = ema.state_dict()  # a collective: every rank calls it, rank 0 receives all slices
+    if rank == 0:
+        torch.save(state, ckpt_file)
+    dist.barrier()
+    restored = WeightEMA(decay=0.5)
+    restored.setup(trainer, None, "fit")
+    restored.load_state_dict(torch.load(ckpt_file, weights_only=False))
+    with torch.no_grad():
+        layer.weight.zero_()
+    restored._ensure_shadow(layer)
+    assert torch.equal(restored.shadow["weight"], torch.full((1, rank + 1), float(rank + 1)))
+    dist.destroy_process_group()
+
+
+def test_sharded_shadow_is_gathered_to_rank0_and_restored_per_rank(tmp_path):
+    """FSDP-style runs: every rank's EMA slice reaches the checkpoint and comes back to its own rank."""
+    import torch.multiprocessing as mp
+
+    # fork: the children reuse the imported torch/lightning instead of importing them again (seconds each).
+    mp.start_processes(_sharded_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "ema.pt")), nprocs=2,
+                       join=True, start_method="fork")

@@ -10,10 +10,12 @@ With `evaluate_with_ema`, validation and test run on the shadow (cast to the par
 training weights are put back afterwards. With `save_ema`, checkpoints carry the shadow in the
 callback's state and resuming restores it.
 
-Sharding: parameters are tracked as the local tensors this rank holds, so DDP (full replicas) is exact.
-Under FSDP each rank tracks its own shard; the callback state of rank 0 is what Lightning saves, so a
-sharded run's EMA is not checkpointed completely: resuming such a run restarts the EMA from the weights
-(a warning says so). Export the EMA model with `with ema.swapped(module): save_pretrained(...)`.
+Sharding: parameters are tracked as the local tensors this rank holds (under FSDP with
+use_orig_params, Lightning's default, each rank's slice of every parameter), so the EMA costs 4 bytes
+per parameter divided by the number of shards. Lightning saves only rank 0's callback state, so under
+FSDP every rank's shadow is gathered to rank 0 over a CPU (gloo) group at save time and each rank takes
+its own slice back on resume; resuming needs the same world size (otherwise the EMA restarts from the
+weights, with a warning). Export the EMA model with `with ema.swapped(module): save_pretrained(...)`.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class WeightEMA(L.Callback):
         self._last_step: Optional[int] = None
         self._pending: Optional[dict[str, Any]] = None  # state loaded from a checkpoint, adopted at train start
         self._backup: Optional[dict[str, Tensor]] = None
+        self._rank, self._world_size, self._gather_group = 0, 1, None
 
     # ------------------------------------------------------------------ core math (no trainer needed)
     @staticmethod
@@ -107,6 +110,14 @@ class WeightEMA(L.Callback):
         elif self.shadow is None:
             self.init_from(pl_module)
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._rank, self._world_size = trainer.global_rank, trainer.world_size
+        if self._world_size > 1 and _is_sharded(trainer.strategy) and self._gather_group is None:
+            import torch.distributed as dist
+
+            # A CPU group: gathering the shadow over NCCL would stage every shard on rank 0's GPU.
+            self._gather_group = dist.new_group(backend="gloo")
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._ensure_shadow(pl_module)
         self._last_step = trainer.global_step
@@ -141,26 +152,46 @@ class WeightEMA(L.Callback):
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
-        state = {"decay": self.decay, "num_updates": self.num_updates}
-        if self.save_ema and self.shadow is not None:
-            state["shadow"] = {name: t.detach().cpu().clone() for name, t in self.shadow.items()}
+        state: dict[str, Any] = {"decay": self.decay, "num_updates": self.num_updates}
+        if not self.save_ema or self.shadow is None:
+            return state
+        local = {name: t.detach().cpu().clone() for name, t in self.shadow.items()}
+        if self._gather_group is None:
+            state["shadow"] = local
+            return state
+        import torch.distributed as dist
+
+        shards = [None] * self._world_size if self._rank == 0 else None
+        dist.gather_object(local, shards, dst=0, group=self._gather_group)  # collective: every rank saves
+        state.update(sharded=True, world_size=self._world_size, shards=shards)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._pending = state_dict if "shadow" in state_dict else None
+        self._pending = state_dict if ("shadow" in state_dict or state_dict.get("shards")) else None
         if self._pending is None:
             log.warning("WeightEMA: the checkpoint has no EMA shadow; the EMA restarts from the current weights")
 
     def _adopt(self, pl_module: L.LightningModule, state: dict[str, Any]) -> None:
+        saved = self._saved_shadow(state)
         params = self.tracked(pl_module)
-        saved = state["shadow"]
-        mismatch = sorted(set(params) ^ set(saved))
-        bad = [n for n in params if n in saved and saved[n].shape != params[n].shape]
-        if mismatch or bad:
-            log.warning("WeightEMA: saved shadow does not match this model's parameters (%s); restarting the EMA "
-                        "from the current weights (sharded FSDP runs are not supported for EMA resume)",
-                        (mismatch + bad)[:3])
+        if saved is None or set(params) != set(saved) or any(saved[n].shape != p.shape for n, p in params.items()):
+            log.warning("WeightEMA: the saved shadow does not match this model's (local) parameters; the EMA "
+                        "restarts from the current weights")
             self.init_from(pl_module)
             return
         self.shadow = {n: saved[n].to(device=params[n].device, dtype=torch.float32).clone() for n in params}
         self.num_updates = int(state.get("num_updates", 0))
+
+    def _saved_shadow(self, state: dict[str, Any]) -> Optional[dict[str, Tensor]]:
+        if not state.get("sharded"):
+            return state["shadow"]
+        if state.get("world_size") != self._world_size:
+            log.warning("WeightEMA: checkpoint EMA was sharded over %s ranks, this run has %s",
+                        state.get("world_size"), self._world_size)
+            return None
+        return state["shards"][self._rank]
+
+
+def _is_sharded(strategy: Any) -> bool:
+    """Strategies whose ranks hold different slices of the parameters (FSDP, model parallel)."""
+    return type(strategy).__name__ in ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")
