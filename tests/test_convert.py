@@ -274,3 +274,16 @@ def test_languagemodel_init_from(tmp_path, single_hf):
                        init_from=str(out))
     with torch.no_grad():
         assert torch.equal(lm.model.eval()(ids()), load_pretrained(out)(ids()))
+
+
+def test_bf16_source_stays_bf16_and_loads_with_fp32_rope(tmp_path):
+    """A bf16 checkpoint is copied as bf16 (bit for bit); load_pretrained(bf16) keeps RoPE frequencies fp32."""
+    hf = hf_model("llama").to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "hf")
+    out = convert_hf(tmp_path / "hf", tmp_path / "out", num_blocks=2)
+    written = load_file(out / "model.safetensors")
+    assert written["layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(written["layers.0.mlp.up_proj.weight"], hf.state_dict()["model.layers.0.mlp.up_proj.weight"])
+    assert written["residual.gate"].dtype == torch.float32
+    model = load_pretrained(out, dtype="bfloat16")
+    assert model.embed_tokens.weight.dtype == torch.bfloat16 and model.rotary.inv_freq.dtype == torch.float32

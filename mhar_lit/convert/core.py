@@ -253,14 +253,16 @@ def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
         raise ConversionError(f"{path / MHAR_CONFIG}: bad field 'model_config' ({err})") from err
     residual = strategies.rebuild(meta.get("residual") or {"class_path": "mhar_lit.residual.standard.StandardResidual"},
                                   backend=backend)
-    model = _meta_model(cfg, residual).to_empty(device=device)
-    model.rotary = RotaryEmbedding(cfg).to(device)  # its buffer is computed, not stored: rebuild it for real
+    dtype = _parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    model = _meta_model(cfg, residual).to_empty(device=device).to(dtype=dtype)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.residual.reset_parameters()  # strategy tensors the file lacks keep their init
     load_weights_into(model, path, check_config=False)
-    dtype = _parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    return model.to(dtype=dtype).eval()
+    # Built last and kept fp32: the RoPE frequencies are computed, not stored, and a bf16 copy would put
+    # angle errors of several radians on positions in the thousands.
+    model.rotary = RotaryEmbedding(cfg).to(device)
+    return model.eval()
 
 
 # ---------------------------------------------------------------------------------------------- ours -> HF
