@@ -3,6 +3,7 @@
 import json
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 EOS = 256  # the byte tokenizer's EOS id
 
@@ -50,4 +51,16 @@ def read_tokens(split_dir):
 
 def write_jsonl(path, docs, field="text"):
     path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)), encoding="utf-8")
+    return path
+
+
+def write_word_tokenizer(path, specials):
+    """A tiny WordLevel tokenizer.json: ids 0..3 are words, then the given special tokens."""
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "again": 3}
+    for tok in specials:
+        vocab[tok] = len(vocab)
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.add_special_tokens(list(specials))
+    tk.save(str(path))
     return path

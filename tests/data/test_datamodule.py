@@ -1,11 +1,12 @@
 """TokenDataModule: tokenizer facts at __init__, int64 [B, T+1] batches, fixed validation, exact resume."""
 
 import copy
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from datatest_helpers import byte_stream, write_jsonl
+from datatest_helpers import byte_stream, write_jsonl, write_word_tokenizer
 
 from mhar_lit.data import TokenDataModule
 from mhar_lit.data.sources import InputError
@@ -167,3 +168,15 @@ def test_bpe_tokenizer_trains_on_the_inputs_and_feeds_batches(corpus, tmp_path):
     assert "<|endoftext|>doc " in dm.decode(batches[:20].flatten())
     eos_per_block = (batches == 0).sum(1).float().mean()
     assert 0.2 < eos_per_block < 2  # ~60-char documents, BPE-compressed into 32-token blocks
+
+
+def test_prebuilt_dataset_is_streamed_and_checked_against_the_tokenizer(corpus, tmp_path):
+    path, _ = corpus
+    built = make_dm(path, tmp_path)
+    prebuilt_root = str(Path(built._prepare(build=False).train_dir).parent)
+    reused = make_dm(prebuilt_root, tmp_path / "elsewhere", shuffle=False)
+    assert len(reused.train_dataset) == len(built.train_dataset) and reused.val_dataset is not None
+    assert not (tmp_path / "elsewhere" / "cache").exists()  # nothing re-tokenized
+    other_tok = str(write_word_tokenizer(tmp_path / "tok.json", ["<|im_end|>"]))
+    with pytest.raises(ValueError, match="tokenized with vocab_size=257, eos_id=256"):
+        make_dm(prebuilt_root, tmp_path / "elsewhere", tokenizer=other_tok)

@@ -5,7 +5,7 @@ import logging
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from datatest_helpers import DOCS, EOS, byte_stream, read_tokens, split_documents, write_jsonl
+from datatest_helpers import DOCS, byte_stream, read_tokens, split_documents, write_jsonl
 
 import mhar_lit.data.prepare as prep_mod
 from mhar_lit.data.prepare import prepare

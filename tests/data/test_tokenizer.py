@@ -4,22 +4,10 @@ import pickle
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
+from datatest_helpers import write_word_tokenizer
 
 from mhar_lit.data import tokenizer as tok_mod
 from mhar_lit.data.tokenizer import ByteTokenizer, load_tokenizer
-
-
-def write_word_tokenizer(path, specials):
-    """A tiny WordLevel tokenizer.json: ids 0..3 are words, then the given special tokens."""
-    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "again": 3}
-    for tok in specials:
-        vocab[tok] = len(vocab)
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tk.add_special_tokens(list(specials))
-    tk.save(str(path))
-    return path
 
 
 def test_bytes_tokenizer_ids_are_utf8_bytes_and_eos_is_256():
