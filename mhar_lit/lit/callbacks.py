@@ -85,7 +85,7 @@ def routing_heatmap(recorded: dict[int, torch.Tensor], title: str):
         grid[:, row, : w.shape[0]] = w.T
     cols = min(heads, 4)
     rows = math.ceil(heads / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False, layout="constrained")
     for h in range(rows * cols):
         ax = axes[h // cols][h % cols]
         if h >= heads:

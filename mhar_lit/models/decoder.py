@@ -58,13 +58,22 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables computed in fp32 and cast to the activation dtype (as HF does).
+
+    The inverse frequencies are a plain fp32 tensor, not a buffer: `module.to(bfloat16)` (Lightning's
+    bf16-true) would otherwise round them, which at T = 4096 with Llama-3.1 frequencies shifts angles by
+    radians and breaks the identity of a converted model.
+    """
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inverse_frequencies(cfg), persistent=False)
+        self.inv_freq = rope_inverse_frequencies(cfg).float()
 
     def forward(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if self.inv_freq.device != device:
+            self.inv_freq = self.inv_freq.to(device)
         positions = torch.arange(seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, self.inv_freq.to(device=device, dtype=torch.float32))
+        freqs = torch.outer(positions, self.inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
