@@ -52,7 +52,8 @@ def fit_command(configs: list[str], point: dict[str, str], sweep_id: str, extra:
         cmd += ["--config", config]
     for key, value in point.items():
         cmd += ["--config", value] if key == "config" else [f"--{key}", value]
-    tags = {"sweep_id": sweep_id, "sweep_point": json.dumps(point, sort_keys=True)}
+    # Not JSON: jsonargparse would parse a JSON-looking tag value into a dict, which MLflow rejects.
+    tags = {"sweep_id": sweep_id, "sweep_point": " ".join(f"{k}={v}" for k, v in sorted(point.items()))}
     run_name = f"{sweep_id}/" + ",".join(f"{k.split('.')[-1]}={v.split('/')[-1]}" for k, v in point.items())
     cmd += ["--trainer.logger.init_args.tags", json.dumps(tags), "--trainer.logger.init_args.run_name", run_name]
     return cmd + extra

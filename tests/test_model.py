@@ -301,3 +301,17 @@ def test_activation_checkpointing_gives_same_gradients():
         torch.nn.functional.cross_entropy(m(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten()).backward()
     for (n, a), (_, b) in zip(model.named_parameters(), clone.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_rope_frequencies_stay_fp32_under_bf16_cast():
+    """module.to(bfloat16) (Lightning bf16-true) must not round the RoPE inverse frequencies."""
+    cfg = ModelConfig.from_name("tiny", rope_theta=500_000.0)
+    model = DecoderLM(cfg).to(torch.bfloat16)
+    assert model.rotary.inv_freq.dtype == torch.float32
+    cos, _ = model.rotary(4096, torch.device("cpu"), torch.float32)
+    exact = torch.cos(torch.arange(4096.0)[:, None] * rope_reference(cfg))
+    assert (cos[:, : cfg.head_dim // 2] - exact).abs().max() < 1e-3
+
+
+def rope_reference(cfg):
+    return 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)

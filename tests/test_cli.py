@@ -1,0 +1,192 @@
+"""The training stack end to end through the real LightningCLI: configs, fit + MLflow, exact resume, errors."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from mhar_lit.cli import build_cli
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_CONFIGS = sorted(glob.glob(str(REPO / "configs" / "**" / "*.yaml"), recursive=True))
+METHOD_OVERLAYS = [c for c in SHIPPED_CONFIGS if "/methods/" in c]
+
+
+@pytest.mark.parametrize("config", [c for c in SHIPPED_CONFIGS if c not in METHOD_OVERLAYS],
+                         ids=lambda c: os.path.relpath(c, REPO))
+def test_every_shipped_config_parses_with_the_real_cli(config, capsys):
+    """`fit --config X --print_config` succeeds for every shipped YAML (types, class paths, keys)."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(["--config", config, "--print_config"], run=False)
+    assert exit_info.value.code in (None, 0)
+    printed = capsys.readouterr().out
+    assert "model:" in printed and "residual:" in printed and "class_path:" in printed
+
+
+@pytest.mark.parametrize("overlay", METHOD_OVERLAYS, ids=lambda c: os.path.basename(c))
+def test_method_overlays_layer_on_the_demo(overlay, capsys):
+    with pytest.raises(SystemExit):
+        build_cli(["--config", str(REPO / "configs/demo.yaml"), "--config", overlay, "--print_config"],
+                  run=False)
+    printed = capsys.readouterr().out
+    expected = [line.split(":", 1)[1].strip() for line in Path(overlay).read_text().splitlines() if "class_path" in line]
+    assert expected and expected[0] in printed
+
+
+class RecordLosses(Callback):
+    def __init__(self):
+        self.losses = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses[trainer.global_step] = float(outputs["loss"])
+
+
+def _tiny_args(tmp_path, *extra, residual=True):
+    corpus = tmp_path / "corpus"
+    if not corpus.exists():
+        corpus.mkdir()
+        rng = torch.Generator().manual_seed(0)
+        words = ["alpha", "beta", "gamma", "delta", "routing", "depth", "residual", "head", "layer", "token"]
+        for i in range(12):
+            idx = torch.randint(0, len(words), (800,), generator=rng).tolist()
+            (corpus / f"doc{i}.txt").write_text(" ".join(words[j] for j in idx))
+    return [
+        "--config", str(REPO / "configs/demo.yaml"),
+        "--model.size", "tiny",
+        "--model.model_overrides", '{"vocab_size": 257}',
+        *(["--model.residual", "mhar_lit.residual.FullAttnRes", "--model.residual.init_args.heads", "4"] if residual else []),
+        "--model.warmup_steps", "2",
+        "--model.decay_steps", "8",
+        "--data.data", str(corpus),
+        "--data.seq_len", "32",
+        "--data.batch_size", "4",
+        "--data.val_batch_size", "4",
+        "--data.val_fraction", "0.2",
+        "--data.cache_dir", str(tmp_path / "cache"),
+        "--trainer.val_check_interval", "4",
+        "--trainer.limit_val_batches", "2",
+        "--trainer.log_every_n_steps", "1",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.logger.init_args.tracking_uri", f"sqlite:///{tmp_path}/mlflow.db",
+        "--routing_monitor.every_n_steps", "4",
+        *extra,
+    ]
+
+
+def _fit(args, ckpt_path=None):
+    cli = build_cli(args, run=False)
+    recorder = RecordLosses()
+    cli.trainer.callbacks.append(recorder)
+    cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt_path)
+    return cli, recorder.losses
+
+
+def test_fit_tracks_in_mlflow_and_resume_reproduces_losses(tmp_path, monkeypatch):
+    """8 uninterrupted steps == 4 steps + resume from the step-4 checkpoint (same losses, same data order);
+    the MLflow store holds params, metrics, config, routing heatmaps and the checkpoint."""
+    monkeypatch.chdir(tmp_path)
+    full_cli, full = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "8"))
+    assert sorted(full) == list(range(1, 9))
+    assert full[8] < full[1]
+
+    first_cli, first = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "4"))
+    ckpt = first_cli.trainer.checkpoint_callback.last_model_path
+    assert os.path.isfile(ckpt)
+    _, resumed = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "8"), ckpt_path=ckpt)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step in range(1, 5):
+        assert first[step] == pytest.approx(full[step], rel=1e-6, abs=1e-6), step
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-6), step
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.get_run(full_cli.trainer.logger.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["method"] == "FullAttnRes(heads=4)"
+    assert run.data.params["lr"] == "0.003"
+    assert {"train/loss", "val/loss", "val/ppl", "val/tail_mean", "train/grad_norm", "train/lr"} <= set(run.data.metrics)
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 8
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "routing", "checkpoints"} <= artifacts
+    heatmaps = [a.path for a in client.list_artifacts(run.info.run_id, "routing")]
+    assert "routing/heatmap_final.png" in heatmaps and "routing/heatmap_step0000004.png" in heatmaps
+    assert any(k.startswith("routing/entropy/site004_h3") for k in run.data.metrics)
+    # Every run gets its own checkpoint directory: a new fit never overwrites an earlier run's files.
+    assert full_cli.trainer.checkpoint_callback.dirpath != first_cli.trainer.checkpoint_callback.dirpath
+
+
+def test_resume_from_another_strategy_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first_cli, _ = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "2"))
+    ckpt = first_cli.trainer.checkpoint_callback.last_model_path
+    with pytest.raises(ValueError, match="checkpoint residual does not match this run"):
+        _fit(_tiny_args(tmp_path, "--trainer.max_steps", "4", "--model.residual.init_args.heads", "2"), ckpt_path=ckpt)
+
+
+def _cli_error(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(args, run=False)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bad_config_input_gives_clear_errors(tmp_path, capsys):
+    demo = str(REPO / "configs/demo.yaml")
+    assert "--model.dropout" in _cli_error(["--config", demo, "--model.dropout", "0.1"], capsys)
+    err = _cli_error(["--config", demo, "--model.lr", "abc"], capsys)
+    assert 'Parser key "model.lr"' in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_step: 3\n")
+    err = _cli_error(["--config", demo, "--config", str(bad)], capsys)
+    assert "max_step" in err
+    err = _cli_error(["--config", demo, "--model.residual", "mhar_lit.residual.NoSuchResidual"], capsys)
+    assert "NoSuchResidual" in err
+
+
+def test_missing_tokenizer_and_data_paths_are_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    missing_tok = tmp_path / "nope" / "tokenizer.json"
+    with pytest.raises((SystemExit, FileNotFoundError, ValueError)) as info:
+        build_cli(["--config", str(REPO / "configs/demo.yaml"), "--data.tokenizer", str(missing_tok)], run=False)
+    assert str(missing_tok) in str(info.value) or info.type is SystemExit
+    cli = build_cli(["--config", str(REPO / "configs/demo.yaml"), "--data.data", str(tmp_path / "absent.txt"),
+                     "--trainer.logger", "false"], run=False)
+    with pytest.raises(ValueError, match="absent.txt"):
+        cli.datamodule.prepare_data()
+    assert not (tmp_path / "data_cache").exists() or not any((tmp_path / "data_cache").glob("tokens-*"))
+
+
+def test_sweep_and_compare(tmp_path):
+    """`sweep` runs the grid as separate MLflow runs with one sweep id; `compare` pairs them by seed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    base = _tiny_args(tmp_path, "--trainer.max_steps", "4", residual=False)
+    extra = [a for a in base if a not in ("--config", str(REPO / "configs/demo.yaml"))]
+    sweep = subprocess.run(
+        [sys.executable, "-m", "mhar_lit", "sweep", "--config", str(REPO / "configs/demo.yaml"), "--sweep-id", "sw-test",
+         "--grid", f"config={REPO}/configs/methods/baseline.yaml,{REPO}/configs/methods/mhar.yaml", "--", *extra],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    out = tmp_path / "cmp.json"
+    compare = subprocess.run(
+        [sys.executable, "-m", "mhar_lit", "compare", "--sweep", "sw-test", "--tracking-uri",
+         f"sqlite:///{tmp_path}/mlflow.db", "--json", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert compare.returncode == 0, compare.stderr[-3000:]
+    report = json.loads(out.read_text())
+    methods = sorted(r["method"] for r in report["rows"])
+    assert methods == ["FullAttnRes(heads=8)", "StandardResidual"]
+    by_method = {r["method"]: r for r in report["rows"]}
+    assert by_method["StandardResidual"]["delta"] == 0.0
+    mhar = by_method["FullAttnRes(heads=8)"]
+    assert mhar["delta"] == pytest.approx(mhar["tail_mean"] - by_method["StandardResidual"]["tail_mean"])
+    assert "paired delta" in compare.stdout
