@@ -15,6 +15,16 @@ from mhar_lit.residual import (
 )
 from mhar_lit.routing import route
 
+
+def load_pretrained(path, device="cpu", dtype=None, backend=None):
+    """Load a directory written by `python -m mhar_lit convert` as a DecoderLM in eval mode (safetensors only)."""
+    import torch
+
+    from mhar_lit.convert import load_pretrained as _load
+
+    return _load(path, device=device, dtype=dtype or torch.float32, backend=backend)
+
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -28,4 +38,5 @@ __all__ = [
     "BlockAttnRes",
     "DeltaAttnRes",
     "route",
+    "load_pretrained",
 ]

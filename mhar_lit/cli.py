@@ -19,6 +19,7 @@ TOOLS = {
     "compare": "mhar_lit.sweep:compare_main",
     "probe": "mhar_lit.analysis.probe:probe_main",
     "convert": "mhar_lit.convert:convert_main",
+    "lm_eval": "mhar_lit.eval.lm_eval_adapter:lm_eval_main",
 }
 
 # An embedded sqlite store in the working directory unless MLFLOW_TRACKING_URI points at a server.
