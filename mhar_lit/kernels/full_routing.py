@@ -38,8 +38,13 @@ from mhar_lit.kernels import _routing_kernels as kern
 from mhar_lit.kernels.routing_triton import (accumulator, check_device, check_storage_dtype, pow2,
                                              tile_tokens)
 
-DEFAULT_CHUNK = 8  # C: sites per forward prefix pass
-DEFAULT_GROUP = 4  # G: sources per backward suffix pass
+# Defaults = the best configuration measured on an H200 (benchmarks/results/routing.md, 2026-12-02):
+# chunk 4 / group 8 / 2 warps / 2048-element tiles ran 16.8 / 27.5 / 35.9 ms at the 100M / 350M / 1B shapes
+# against 15.3 / 32.4 / 134 ms for chunk 8 / group 4 / 4 warps / 4096.
+DEFAULT_CHUNK = 4  # C: sites per forward prefix pass
+DEFAULT_GROUP = 8  # G: sources per backward suffix pass
+DEFAULT_WARPS = 2
+DEFAULT_TILE = 2048  # elements of one register tile (fixes tokens per program)
 
 
 class FullRouting:
@@ -47,7 +52,7 @@ class FullRouting:
 
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int,
                  eps: float = 1e-6, chunk: int = DEFAULT_CHUNK, group: int = DEFAULT_GROUP,
-                 num_warps: int = 4) -> None:
+                 num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -63,6 +68,7 @@ class FullRouting:
         check_device(embedding_BTD, query_SD, norm_weight_SD)
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
         self.chunk, self.group, self.num_warps = min(chunk, n), min(group, n), num_warps
+        self.tile = tile_elements  # register tile size: fixes tokens per program (tile_tokens)
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)
         self.p, self.k = b * t, d // heads
@@ -110,7 +116,7 @@ class FullRouting:
             self._prefix(s0)
         out_PD = torch.empty(self.p, self.shape[2], dtype=self.dtype, device=self.device)
         m, l, acc = self._chunk_state if s0 > 0 else (self.lse, self.lse, self.lse)
-        block_t = tile_tokens(self.h_p * self.k_p)
+        block_t = tile_tokens(self.h_p * self.k_p, self.tile)
         kern._site_fwd_kernel[(triton.cdiv(self.p, block_t),)](
             self.rows, self.r, source_BTD.contiguous(), self.w_SD, m, l, acc, out_PD, self.lse[site],
             s0, site, site, site, site - s0, self.p, self.shape[2], self.heads, self.k, self.eps,
@@ -135,7 +141,7 @@ class FullRouting:
             )
         m, l, acc = self._chunk_state
         c_p = pow2(self.chunk)
-        block_t = tile_tokens(c_p * self.k_p)
+        block_t = tile_tokens(c_p * self.k_p, self.tile)
         kern._prefix_fwd_kernel[(triton.cdiv(self.p, block_t), self.heads)](
             self.rows, self.r, self.w_SD, m, l, acc,
             s0, s0, c, self.p, self.shape[2], self.heads, self.k,
@@ -190,7 +196,7 @@ class FullRouting:
         """Gradient contributions of all sites >= g_end to the sources [g0, g_end), one read of each."""
         bw, d = self._bwd, self.shape[2]
         g_p = pow2(self.group)
-        block_t = tile_tokens(g_p * self.k_p)
+        block_t = tile_tokens(g_p * self.k_p, self.tile)
         programs = triton.cdiv(self.p, block_t)
         a_part = torch.empty(self.n_sites - g_end, programs, d, dtype=self.acc_t, device=self.device)
         kern._suffix_bwd_kernel[(programs, self.heads)](
@@ -203,7 +209,7 @@ class FullRouting:
     def _column(self, site: int, g0: int, g_end: int, dout_BTD: Tensor) -> Tensor:
         """Finish source `site`: its suffix partial plus the pairs (s, site) for in-group sites s >= site."""
         bw, d = self._bwd, self.shape[2]
-        block_t = tile_tokens(self.h_p * self.k_p)
+        block_t = tile_tokens(self.h_p * self.k_p, self.tile)
         programs = triton.cdiv(self.p, block_t)
         a_part = torch.empty(g_end - site, programs, d, dtype=self.acc_t, device=self.device)
         dsrc_PD = torch.empty(self.p, d, dtype=self.dtype, device=self.device)

@@ -60,9 +60,9 @@ def pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
-def tile_tokens(row_elements: int, limit: int = 64) -> int:
-    """Tokens per program so that tokens x padded row width is about TILE_ELEMENTS."""
-    return max(1, min(limit, TILE_ELEMENTS // row_elements))
+def tile_tokens(row_elements: int, tile_elements: int = TILE_ELEMENTS, limit: int = 64) -> int:
+    """Tokens per program so that tokens x padded row width is about tile_elements."""
+    return max(1, min(limit, tile_elements // row_elements))
 
 
 def _launch_forward(rows_NPD: Tensor, w_1D: Tensor, heads: int, eps: float):

@@ -102,7 +102,7 @@ class FullAttnRes(RoutedResidual):
     """
 
     def __init__(self, heads: int = 8, backend: str = "torch", random_query_init: bool = False,
-                 eps: float = 1e-6, triton_chunk: int = 8, triton_group: int = 4) -> None:
+                 eps: float = 1e-6, triton_chunk: int = 4, triton_group: int = 8) -> None:
         super().__init__(heads=heads, backend=backend, random_query_init=random_query_init, eps=eps)
         self.triton_chunk = triton_chunk
         self.triton_group = triton_group

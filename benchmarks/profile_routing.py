@@ -1,0 +1,82 @@
+"""Where the chunked Triton routing spends its time: per-kernel CUDA time of one fwd+bwd of all sites
+(torch.profiler) against the CUDA-event wall time, and each compiled kernel's registers and spills.
+
+    python benchmarks/profile_routing.py [--shapes 100M 350M 1B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from routing import SHAPES, make_problem, run_once  # noqa: E402
+
+CONFIGS = [
+    dict(chunk=8, group=4, num_warps=4, tile_elements=4096),
+    dict(chunk=8, group=8, num_warps=4, tile_elements=4096),
+    dict(chunk=8, group=8, num_warps=4, tile_elements=2048),
+    dict(chunk=8, group=8, num_warps=4, tile_elements=8192),
+    dict(chunk=4, group=8, num_warps=2, tile_elements=2048),
+]
+
+
+def kernel_table(prob, options):
+    run_once(prob, "triton", options=options)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run_once(prob, "triton", options=options)
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run_once(prob, "triton", options=options)
+        torch.cuda.synchronize()
+    totals, counts = collections.Counter(), collections.Counter()
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            name = evt.name[:60]
+            totals[name] += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+            counts[name] += 1
+    return wall, totals, counts
+
+
+def print_registers():
+    from mhar_lit.kernels import _routing_kernels as kern
+
+    for name in ("_site_fwd_kernel", "_prefix_fwd_kernel", "_site_bwd_kernel", "_suffix_bwd_kernel"):
+        fn = getattr(kern, name)
+        for caches in getattr(fn, "device_caches", {}).values():
+            cache = caches[0] if isinstance(caches, tuple) else caches
+            for compiled in cache.values():
+                meta = getattr(compiled, "metadata", None)
+                print(f"  {name:22s} regs {getattr(compiled, 'n_regs', '?')} spills {getattr(compiled, 'n_spills', '?')}"
+                      f" warps {getattr(meta, 'num_warps', '?')} smem {getattr(meta, 'shared', '?')}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"])
+    args = parser.parse_args()
+    for shape in args.shapes:
+        d, L, H, B, T = SHAPES[shape]
+        prob = make_problem(d, L, H, B, T, torch.bfloat16)
+        for options in CONFIGS:
+            wall, totals, counts = kernel_table(prob, options)
+            busy = sum(totals.values()) / 1e3
+            print(f"\n{shape} {options}: wall {wall:.2f} ms, kernels {busy:.2f} ms")
+            for name, us in totals.most_common(8):
+                print(f"  {us / 1e3:8.2f} ms  x{counts[name]:4d}  {name}")
+        del prob
+        torch.cuda.empty_cache()
+    print_registers()
+
+
+if __name__ == "__main__":
+    main()
