@@ -144,14 +144,16 @@ def summarize(rows: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
 
 
 def format_table(rows: list[dict[str, Any]], summary: list[dict[str, Any]], metric: str) -> str:
-    lines = [f"{'method':<34} {'seed':>5} {'lr':>8} {'final':>8} {'tail':>8} {'delta':>8} {'tok/s':>9}  run"]
+    width = max([len("method")] + [len(r["method"]) for r in rows])
+    lines = [f"{'method':<{width}} {'seed':>5} {'lr':>8} {'final':>8} {'tail':>8} {'delta':>8} {'tok/s':>9}  run"]
     for r in sorted(rows, key=lambda r: (r["method"], str(r["seed"]), str(r["lr"]))):
-        lines.append(f"{r['method']:<34} {r['seed']:>5} {r['lr']:>8} {r['final']:>8.4f} {r['tail_mean']:>8.4f} "
+        lines.append(f"{r['method']:<{width}} {r['seed']:>5} {r['lr']:>8} {r['final']:>8.4f} {r['tail_mean']:>8.4f} "
                      f"{r['delta']:>+8.4f} {r['tokens_per_s']:>9.0f}  {r['name']}")
     lines.append("")
-    lines.append(f"{'method':<34} {'runs':>5} {'mean ' + metric:>18} {'paired delta':>13} {'+- std':>8}")
+    lines.append(f"{'method':<{width}} {'runs':>5} {'mean ' + metric:>18} {'paired delta':>13} {'+- std':>8}")
     for s in summary:
-        lines.append(f"{s['method']:<34} {s['runs']:>5} {s['mean']:>18.4f} {s['delta_mean']:>+13.4f} {s['delta_std']:>8.4f}")
+        lines.append(f"{s['method']:<{width}} {s['runs']:>5} {s['mean']:>18.4f} {s['delta_mean']:>+13.4f} "
+                     f"{s['delta_std']:>8.4f}")
     return "\n".join(lines)
 
 

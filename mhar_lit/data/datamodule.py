@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import lightning as L
@@ -57,7 +58,8 @@ class TokenDataModule(L.LightningDataModule):
         val_fraction: fraction of documents held out for validation, chosen by content hash.
         text_field: JSON field / parquet column holding the text.
         max_corpus_bytes: byte cap of the embedded corpus (only used when data is None).
-        seed: shuffle seed of the training stream.
+        seed: shuffle seed of the training stream; None (default) follows the run's seed_everything, so
+            runs with the same seed see the same data order and different seeds differ in order too.
         shuffle: shuffle the training stream.
         prep_workers: processes used to tokenize (default: min(8, CPUs, files)).
         chunk_tokens: tokens per litdata chunk file.
@@ -77,7 +79,7 @@ class TokenDataModule(L.LightningDataModule):
         val_fraction: float = 0.005,
         text_field: str = "text",
         max_corpus_bytes: int | None = DEFAULT_MAX_CORPUS_BYTES,
-        seed: int = 42,
+        seed: int | None = None,
         shuffle: bool = True,
         prep_workers: int | None = None,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
@@ -169,7 +171,7 @@ class TokenDataModule(L.LightningDataModule):
             prepared.train_dir,
             item_loader=TokensLoader(block_size=block),
             shuffle=self.shuffle,
-            seed=self.seed,
+            seed=self.shuffle_seed(),
             drop_last=True,
         )
         if prepared.val_dir is not None:
@@ -177,6 +179,12 @@ class TokenDataModule(L.LightningDataModule):
                 prepared.val_dir, item_loader=TokensLoader(block_size=block), shuffle=False, drop_last=True
             )
         self._check_not_empty()
+
+    def shuffle_seed(self) -> int:
+        """The explicit `seed`, else the global seed set by seed_everything (Lightning exports it), else 42."""
+        if self.seed is not None:
+            return self.seed
+        return int(os.environ.get("PL_GLOBAL_SEED", 42))
 
     def _check_prebuilt(self, prepared: PreparedData) -> None:
         """A prebuilt dataset written by `prepare` records its tokenizer: refuse a mismatched one."""
