@@ -82,3 +82,12 @@ def test_z_loss_and_loss_values():
     torch.testing.assert_close(ce, torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
     torch.testing.assert_close(z, torch.logsumexp(logits, -1).pow(2).mean())
     assert ce.item() == pytest.approx(math.log(256), abs=0.1)  # init logits are near-uniform
+
+
+def test_validation_metric_keeps_full_precision_under_bf16_true():
+    """bf16-true casts the module; the validation mean must still not be rounded to bf16 (0.008 steps at 1.5)."""
+    module = LanguageModel(size="tiny").to(torch.bfloat16)
+    module.on_validation_epoch_start()
+    module.val_loss.update(torch.tensor(1.5100), weight=10)
+    module.val_loss.update(torch.tensor(1.5200), weight=30)
+    assert module.val_loss.compute().item() == pytest.approx(1.5175, abs=1e-6)  # fp32 inputs: 1e-7 relative

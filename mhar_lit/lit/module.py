@@ -111,6 +111,13 @@ class LanguageModel(L.LightningModule):
             self.log("train/z_loss", z)
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        # bf16-true casts the whole module, metric states included; a bf16 running mean is quantised to
+        # ~0.008 at loss 1.5, coarser than the differences between methods. Keep the states in fp64.
+        self.val_loss.set_dtype(torch.float64)
+
+    on_test_epoch_start = on_validation_epoch_start
+
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
         ce, _, tokens = self._loss(batch)
         self.val_loss.update(ce, weight=tokens)  # token-weighted: exact global mean under DDP
