@@ -106,7 +106,7 @@ class LanguageModel(L.LightningModule):
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         ce, z, _ = self._loss(batch)
         loss = ce + self.hparams.z_loss * z
-        self.log("train/loss", ce, prog_bar=True)
+        self.log("train/loss", ce, prog_bar=True, sync_dist=True)  # the global mean under DDP
         if self.hparams.z_loss:
             self.log("train/z_loss", z)
         return loss

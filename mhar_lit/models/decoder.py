@@ -4,7 +4,7 @@ Module names follow the Hugging Face layout (embed_tokens, layers.i.self_attn.q_
 so that checkpoints map one to one. The depth loop is the same for every residual method:
 
     state = residual.begin(embed_tokens(ids))
-    for site s = 2l (attention) and 2l+1 (MLP) of every layer l:
+    for site s = 2l (attention) and 2l+1 (MLP) of every layer l (inside DecoderLayer.forward):
         x     = residual.sublayer_input(state, s)          # what the sublayer reads
         y     = sublayer_s(pre_norm_s(x))                  # attention or SwiGLU MLP
         state = residual.sublayer_output(state, s, y)      # what the depth state keeps of it
@@ -14,7 +14,7 @@ so that checkpoints map one to one. The depth loop is the same for every residua
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -127,8 +127,16 @@ class SwiGLU(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """One layer = two routing sites: attention (site 2i) and MLP (site 2i+1), wired by the residual strategy.
+
+    The whole layer runs inside this module's forward so that wrappers which act around a module call
+    (FSDP's parameter all-gather, hooks, compile regions) see both sublayers.
+    """
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
+        self.index = index
+        self.activation_checkpointing = False
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -140,6 +148,19 @@ class DecoderLayer(nn.Module):
     def mlp_sublayer(self, x: Tensor) -> Tensor:
         return self.mlp(self.post_attention_layernorm(x))
 
+    def _run(self, fn, *args) -> Tensor:
+        # Only the sublayer is recomputed, never the routing: fused routing appends to a shared buffer.
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    def forward(self, state: Any, residual: ResidualStrategy, cos: Tensor, sin: Tensor) -> Any:
+        site = 2 * self.index
+        h = residual.sublayer_input(state, site)
+        state = residual.sublayer_output(state, site, self._run(self.attention_sublayer, h, cos, sin))
+        h = residual.sublayer_input(state, site + 1)
+        return residual.sublayer_output(state, site + 1, self._run(self.mlp_sublayer, h))
+
 
 class DecoderLM(nn.Module):
     """Decoder LM; `residual` decides how sublayers are wired across depth (StandardResidual by default)."""
@@ -148,11 +169,10 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
-        self.activation_checkpointing = False
         self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -167,10 +187,14 @@ class DecoderLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def _run(self, fn, *args):
-        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(fn, *args, use_reentrant=False)
-        return fn(*args)
+    @property
+    def activation_checkpointing(self) -> bool:
+        return all(layer.activation_checkpointing for layer in self.layers)
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, enabled: bool) -> None:
+        for layer in self.layers:
+            layer.activation_checkpointing = enabled
 
     def hidden_states(self, input_ids: Tensor) -> Tensor:
         """The final-normed hidden state [B, T, D] (what the LM head reads)."""
@@ -184,12 +208,8 @@ class DecoderLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(seq_len, x.device, x.dtype)
         state = self.residual.begin(x)
-        for index, layer in enumerate(self.layers):
-            site = 2 * index
-            h = self.residual.sublayer_input(state, site)
-            state = self.residual.sublayer_output(state, site, self._run(layer.attention_sublayer, h, cos, sin))
-            h = self.residual.sublayer_input(state, site + 1)
-            state = self.residual.sublayer_output(state, site + 1, self._run(layer.mlp_sublayer, h))
+        for layer in self.layers:
+            state = layer(state, self.residual, cos, sin)
         return self.norm(self.residual.final(state))
 
     def forward(self, input_ids: Tensor) -> Tensor:

@@ -20,13 +20,14 @@ both of width d, so the method adds (2L+1) * 2d parameters whatever the number o
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 from mhar_lit.config import ModelConfig
-from mhar_lit.residual.base import ResidualStrategy, is_attention_site, layer_of
+from mhar_lit.residual.base import ResidualStrategy, is_attention_site, layer_of, register_state_pytree
 from mhar_lit.routing import BACKENDS, check_heads, route, routing_weights
 
 
@@ -80,16 +81,18 @@ class RoutedResidual(ResidualStrategy):
         return 2 * self.model_config.num_layers
 
 
+@dataclass(eq=False)
 class _TritonFullState:
     """FullAttnRes depth state on the triton backend: the chunked routing of this forward pass (one shared
-    source buffer, see mhar_lit.kernels.full_routing) and the source the next site brings."""
+    source buffer, see mhar_lit.kernels.full_routing) and the source the next site brings. A dataclass
+    (and a pytree node) so that module-output hooks such as FSDP's find its tensor."""
 
-    __slots__ = ("routing", "pending", "count")
+    routing: Any
+    pending: Optional[Tensor]
+    count: int = 1  # sources produced so far
 
-    def __init__(self, routing, embedding: Tensor) -> None:
-        self.routing = routing
-        self.pending: Optional[Tensor] = embedding
-        self.count = 1  # sources produced so far
+
+register_state_pytree(_TritonFullState, ("pending",), ("routing", "count"))
 
 
 class FullAttnRes(RoutedResidual):
@@ -137,7 +140,7 @@ class FullAttnRes(RoutedResidual):
 
         routing = FullRouting(embedding, self.query, self.key_norm, self.heads, self.eps,
                               chunk=self.triton_chunk, group=self.triton_group)
-        return _TritonFullState(routing, embedding)
+        return _TritonFullState(routing, embedding, 1)
 
     def _triton_route(self, state: _TritonFullState, site: int) -> Tensor:
         if state.count != site + 1 or state.pending is None:
@@ -153,15 +156,18 @@ class FullAttnRes(RoutedResidual):
         return mixed
 
 
+@dataclass(eq=False)
 class _BlockState:
-    __slots__ = ("blocks", "partial")
+    """Completed block sums (the embedding first) and the running partial sum of the current block."""
 
-    def __init__(self, embedding: Tensor) -> None:
-        self.blocks: list[Tensor] = [embedding]
-        self.partial: Optional[Tensor] = None
+    blocks: list[Tensor]
+    partial: Optional[Tensor] = None
 
     def sources(self) -> list[Tensor]:
         return self.blocks + ([self.partial] if self.partial is not None else [])
+
+
+register_state_pytree(_BlockState, ("blocks", "partial"))
 
 
 class BlockAttnRes(RoutedResidual):
@@ -186,7 +192,7 @@ class BlockAttnRes(RoutedResidual):
         super().build(config)
 
     def begin(self, embedding: Tensor) -> _BlockState:
-        return _BlockState(embedding)
+        return _BlockState([embedding])
 
     def sublayer_input(self, state: _BlockState, site: int) -> Tensor:
         layer = layer_of(site)

@@ -22,6 +22,7 @@ a_s gets <dL/dx_s, mix_s>. Parameters per layer: q, g, z of width d for 2 sites 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -29,16 +30,22 @@ from torch import Tensor, nn
 
 from mhar_lit.config import ModelConfig
 from mhar_lit.residual.attnres import RoutedResidual
-from mhar_lit.residual.base import is_attention_site, layer_of
+from mhar_lit.residual.base import is_attention_site, layer_of, register_state_pytree
 
 
+@dataclass(eq=False)
 class _DeltaState:
-    __slots__ = ("stream", "deltas", "previous")
+    """The residual stream, the block deltas so far and the last boundary state (legacy: the last delta).
 
-    def __init__(self, embedding: Tensor) -> None:
-        self.stream = embedding
-        self.deltas: list[Tensor] = []
-        self.previous: Optional[Tensor] = None  # the last boundary state (or, legacy, the last delta)
+    A dataclass and a pytree node, so that module-output hooks (FSDP's pre-backward all-gather) find its
+    tensors when a DecoderLayer returns it."""
+
+    stream: Tensor
+    deltas: list[Tensor] = field(default_factory=list)
+    previous: Optional[Tensor] = None
+
+
+register_state_pytree(_DeltaState, ("stream", "deltas", "previous"))
 
 
 class DeltaAttnRes(RoutedResidual):
