@@ -91,3 +91,12 @@ def test_validation_metric_keeps_full_precision_under_bf16_true():
     module.val_loss.update(torch.tensor(1.5100), weight=10)
     module.val_loss.update(torch.tensor(1.5200), weight=30)
     assert module.val_loss.compute().item() == pytest.approx(1.5175, abs=1e-6)  # fp32 inputs: 1e-7 relative
+
+
+def test_state_dict_holds_each_weight_once():
+    """No alias module paths: a checkpoint stores the decoder once (it used to store it twice)."""
+    for compile_ in (False, True):
+        module = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), compile=compile_)
+        keys = list(module.state_dict())
+        assert all(k.startswith("model.") for k in keys), keys[:3]
+        assert len(keys) == len(module.model.state_dict())

@@ -89,11 +89,12 @@ class LanguageModel(L.LightningModule):
             load_weights_into(self.model, init_from)
         self.val_loss = MeanMetric(nan_strategy="error")
         self.val_history: list[float] = []
-        self._forward = torch.compile(self.model) if compile else self.model
+        if compile:
+            self.model.compile()  # in place: no second module path in the state dict, hooks (FSDP) still run
 
     # ---------------------------------------------------------------- steps
     def forward(self, input_ids: Tensor) -> Tensor:
-        return self._forward(input_ids)
+        return self.model(input_ids)
 
     def _loss(self, batch: Tensor) -> tuple[Tensor, Tensor, int]:
         inputs, targets = batch[:, :-1], batch[:, 1:]
