@@ -22,6 +22,10 @@ TOOLS = {
     "lm_eval": "mhar_lit.eval.lm_eval_adapter:lm_eval_main",
 }
 
+# MLflow 3 sends usage telemetry to a remote endpoint unless told not to; training must not touch the network.
+# Set MLFLOW_DISABLE_TELEMETRY=false explicitly to opt back in.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
 # An embedded sqlite store in the working directory unless MLFLOW_TRACKING_URI points at a server.
 DEFAULT_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
 DEFAULT_EXPERIMENT = "mhar_lit"
