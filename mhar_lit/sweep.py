@@ -121,10 +121,10 @@ def collect_runs(sweep_id: str, tracking_uri: str, experiment: str) -> list[dict
 
 
 def add_paired_deltas(rows: list[dict[str, Any]], metric: str) -> None:
+    # Paired means same seed AND same learning rate; a run without such a baseline gets no delta (NaN).
     baselines = {(r["seed"], r["lr"]): r for r in rows if r["method"].startswith(BASELINE_METHOD)}
-    by_seed = {r["seed"]: r for r in rows if r["method"].startswith(BASELINE_METHOD)}
     for row in rows:
-        base = baselines.get((row["seed"], row["lr"])) or by_seed.get(row["seed"])
+        base = baselines.get((row["seed"], row["lr"]))
         row["delta"] = row[metric] - base[metric] if base else math.nan
 
 

@@ -100,3 +100,23 @@ def test_state_dict_holds_each_weight_once():
         keys = list(module.state_dict())
         assert all(k.startswith("model.") for k in keys), keys[:3]
         assert len(keys) == len(module.model.state_dict())
+
+
+def test_triton_tuning_knobs_do_not_change_checkpoint_identity():
+    a = strategy_signature(FullAttnRes(heads=4, backend="triton", triton_chunk=4, triton_group=8))
+    b = strategy_signature(FullAttnRes(heads=4, backend="torch", triton_chunk=2, triton_group=4))
+    assert a == b and a["options"]["heads"] == 4
+
+
+def test_compare_pairs_only_same_seed_and_lr():
+    from mhar_lit.sweep import add_paired_deltas
+
+    rows = [
+        {"method": "StandardResidual", "seed": "1", "lr": "0.001", "tail_mean": 3.0},
+        {"method": "FullAttnRes(heads=8)", "seed": "1", "lr": "0.001", "tail_mean": 2.9},
+        {"method": "FullAttnRes(heads=8)", "seed": "1", "lr": "0.002", "tail_mean": 2.8},  # no baseline at this lr
+        {"method": "FullAttnRes(heads=8)", "seed": "2", "lr": "0.001", "tail_mean": 2.7},  # no baseline at this seed
+    ]
+    add_paired_deltas(rows, "tail_mean")
+    assert rows[0]["delta"] == 0.0 and rows[1]["delta"] == pytest.approx(-0.1)
+    assert math.isnan(rows[2]["delta"]) and math.isnan(rows[3]["delta"])

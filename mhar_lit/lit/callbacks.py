@@ -128,11 +128,25 @@ class RoutingMonitor(L.Callback):
         routed = isinstance(pl_module.model.residual, RoutedResidual)
         if not routed or step % self.every_n_steps or step == self._last_logged or not trainer.is_global_zero:
             return
+        if self._sharded(trainer):
+            return
         self._last_logged = step
         self.log_routing(trainer, pl_module, batch[: self.max_sequences, :-1], step)
 
+    def _sharded(self, trainer) -> bool:
+        """Under FSDP a rank-0 side forward would read parameter shards and desynchronise collectives."""
+        from mhar_lit.lit.routing_backend import is_sharded
+
+        if is_sharded(trainer) and not getattr(self, "_warned", False):
+            log.warning("routing monitor disabled under %s: run `python -m mhar_lit probe` on a checkpoint",
+                        type(trainer.strategy).__name__)
+            self._warned = True
+        return is_sharded(trainer)
+
     def on_train_end(self, trainer, pl_module) -> None:
         batch = getattr(self, "_last_batch", None)
+        if self._sharded(trainer):
+            return
         if batch is not None and isinstance(pl_module.model.residual, RoutedResidual) and trainer.is_global_zero:
             self.log_routing(trainer, pl_module, batch, trainer.global_step, final=True)
 
@@ -178,7 +192,15 @@ def log_figure(trainer: L.Trainer, figure: Any, artifact_file: str) -> None:
 
 
 class LogCheckpointArtifact(L.Callback):
-    """At the end of fit, uploads the last (or best) checkpoint to the MLflow run as an artifact."""
+    """At the end of fit, uploads the last (or best) checkpoint to the MLflow run as an artifact.
+
+    Only single files up to `max_bytes` are copied (a sharded checkpoint directory, or an 8B checkpoint with
+    optimizer states, would duplicate tens of GB into the artifact store); the run is always tagged with
+    the checkpoint's path.
+    """
+
+    def __init__(self, max_bytes: int = 2 * 2**30) -> None:
+        self.max_bytes = max_bytes
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from lightning.pytorch.loggers import MLFlowLogger
@@ -187,7 +209,12 @@ class LogCheckpointArtifact(L.Callback):
         path = ckpt and (ckpt.last_model_path or ckpt.best_model_path)
         if not path or not os.path.exists(path) or not trainer.is_global_zero:
             return
+        small_file = os.path.isfile(path) and os.path.getsize(path) <= self.max_bytes
         for logger in trainer.loggers:
             if isinstance(logger, MLFlowLogger):
-                logger.experiment.log_artifact(logger.run_id, path, artifact_path="checkpoints")
                 logger.experiment.set_tag(logger.run_id, "checkpoint_path", os.path.abspath(path))
+                if small_file:
+                    logger.experiment.log_artifact(logger.run_id, path, artifact_path="checkpoints")
+                else:
+                    log.warning("checkpoint %s not copied to MLflow (a directory or > %d bytes); its path is "
+                                "in the run's 'checkpoint_path' tag", path, self.max_bytes)

@@ -26,17 +26,23 @@ from mhar_lit.residual.standard import StandardResidual
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
     """Multiplier of the peak LR at optimizer step `step` (0-based): linear warmup, cosine to the floor."""
     if step < warmup_steps:
-        return (step + 1) / warmup_steps  # the first update already moves (an lr of exactly 0 wastes a step)
+        # SPEC H.1 warms up "from 0"; we start at peak/W so the first update is not wasted, i.e. the ramp is
+        # shifted by one step (peak reached at step W-1 instead of W). The cosine part is exactly H.1's.
+        return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# Strategy options that change speed, not the function: a run may resume with other values.
+RUNTIME_OPTIONS = ("self", "backend", "triton_chunk", "triton_group")
 
 
 def strategy_signature(residual: ResidualStrategy) -> dict[str, Any]:
     """What identifies a strategy in a checkpoint: its class path and constructor arguments.
 
-    The routing backend is left out: it is a runtime choice, and a run may resume on another backend.
+    The routing backend and Triton tuning knobs are left out: a run may resume on another backend.
     """
-    names = [n for n in inspect.signature(type(residual).__init__).parameters if n not in ("self", "backend")]
+    names = [n for n in inspect.signature(type(residual).__init__).parameters if n not in RUNTIME_OPTIONS]
     options = {n: getattr(residual, n) for n in names if hasattr(residual, n)}
     return {"class_path": f"{type(residual).__module__}.{type(residual).__qualname__}", "options": options}
 
@@ -183,13 +189,24 @@ class LanguageModel(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.hparams.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.hparams.grad_clip)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        self.log("train/grad_norm", norm)
+        self.log("train/grad_norm", self._clip_gradients())
         self.log("train/lr", optimizer.param_groups[0]["lr"])
+
+    def _clip_gradients(self) -> Tensor:
+        """Clip to the global norm `grad_clip` (inf = measure only) and return the pre-clip global norm.
+
+        Under Lightning's FSDP (FSDP1) every rank holds only shards of the gradients, so the norm must come
+        from the root wrapper's clip_grad_norm_, which all-reduces; a per-rank clip_grad_norm_ would clip
+        each shard by its own partial norm. FSDP2 (DTensor gradients) and DDP are handled by the plain call.
+        """
+        max_norm = self.hparams.grad_clip if self.hparams.grad_clip > 0 else float("inf")
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        root = self.trainer.model if self._trainer is not None else None
+        if isinstance(root, FullyShardedDataParallel):
+            return root.clip_grad_norm_(max_norm)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     # ---------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -56,6 +56,13 @@ def compare_backends(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[st
     return {"rel_err": rel, "torch_forward_ms": torch_ms, "triton_forward_ms": triton_ms}
 
 
+def is_sharded(trainer: L.Trainer) -> bool:
+    """True under strategies that shard parameters (FSDP, model parallel)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
+
+
 class RoutingBackend(L.Callback):
     """Selects and validates the depth-routing backend of attention-residual strategies.
 
@@ -98,14 +105,25 @@ class RoutingBackend(L.Callback):
         if not self._pending_check:
             return
         self._pending_check = False
-        result = compare_backends(pl_module.model, batch[: self.check_sequences, :-1])
+        if is_sharded(trainer):
+            # The decoder's parameters are shards here; a side forward outside the FSDP root would read them
+            # unsharded-less (and, on one rank only, desynchronise collectives). Say so instead of checking.
+            log.warning("routing backend check skipped under %s (parameters are sharded); the kernels are "
+                        "covered by the test suite", type(trainer.strategy).__name__)
+            self.report["routing_check"] = "skipped (sharded strategy)"
+            self._log(trainer)
+            return
         dtype = next(pl_module.model.parameters()).dtype
         tolerance = self.tolerance or (1e-4 if dtype == torch.float32 else 5e-2)
+        try:
+            result = compare_backends(pl_module.model, batch[: self.check_sequences, :-1])
+        except Exception as err:  # a kernel that cannot run is a failed check, subject to `fallback`
+            result = {"rel_err": float("inf"), "error": f"{type(err).__name__}: {err}"}
         self.report.update({f"routing_check_{k}": v for k, v in result.items()})
         self.report["routing_check_tolerance"] = tolerance
         if result["rel_err"] > tolerance:
             message = (f"Triton routing differs from the reference on the first batch: relative error "
-                       f"{result['rel_err']:.3g} > tolerance {tolerance:.3g}")
+                       f"{result['rel_err']:.3g} > tolerance {tolerance:.3g} {result.get('error', '')}")
             if not self.fallback:
                 raise RuntimeError(message + " (set routing_backend.fallback=true to continue on the reference)")
             log.warning("%s; falling back to the PyTorch reference as configured", message)

@@ -146,7 +146,10 @@ class FullAttnRes(RoutedResidual):
         if state.count != site + 1 or state.pending is None:
             raise RuntimeError(f"site {site} expected {site + 1} sources, found {state.count}")
         params = (self.query, self.key_norm) if site == 0 else (None, None)
-        mixed = state.routing.route(site, state.pending, *params)
+        # Under autocast (bf16-mixed) the embedding is fp32 and sublayer outputs are bf16: the shared buffer
+        # keeps the embedding's dtype and later sources are cast into it (exact for bf16 -> fp32).
+        pending = state.pending.to(state.routing.dtype)
+        mixed = state.routing.route(site, pending, *params)
         state.pending = None
         if self.record_weights:
             with torch.no_grad():

@@ -85,7 +85,10 @@ class HyperConnections(ResidualStrategy):
                 self.scale_beta.fill_(self.dynamic_scale_init)
 
     def no_decay_parameter_names(self) -> set[str]:
-        return {"stream_norm", "scale_alpha", "scale_beta"}
+        # The static connections start at the identity-equivalent (one-hot, I, ones); decaying them toward 0
+        # would pull away from that, like decaying a gate. Only the exclusion option uses this set.
+        names = {"read", "mix", "write"}
+        return names | ({"stream_norm", "scale_alpha", "scale_beta"} if self.dynamic else set())
 
     def _connections(self, streams_BTnD: Tensor, site: int) -> tuple[Tensor, Tensor, Tensor]:
         """Per-site (read [.., n], mix [.., n, n], write [.., n]) weights, per token when dynamic."""

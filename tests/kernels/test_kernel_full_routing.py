@@ -208,3 +208,26 @@ def test_decoder_fp32_triton_close_to_float64_torch():
     loss, loss_ref = _step(model, ids, ids), _step(ref_model, ids, ids)
     assert rel(loss, loss_ref) <= 1e-5
     _assert_same_grads(ref_model, model, 1e-4)
+
+
+def test_bf16_autocast_mixed_source_dtypes_run_on_the_triton_full_path():
+    """bf16-mixed: the embedding is fp32, sublayer outputs bf16; the fused path casts sources into its buffer
+    and matches the reference path under the same autocast (bf16-level tolerance)."""
+    from mhar_lit.config import ModelConfig
+    from mhar_lit.models.decoder import DecoderLM
+    from mhar_lit.residual import FullAttnRes
+
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig.from_name("tiny"), FullAttnRes(heads=4, random_query_init=True))
+    x = torch.randint(0, 256, (2, 9))
+    results = {}
+    for backend in ("torch", "triton"):
+        model.residual.backend = backend
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().logsumexp(-1).mean()
+        loss.backward()
+        results[backend] = (loss.item(), model.residual.query.grad.clone())
+    assert abs(results["triton"][0] - results["torch"][0]) < 2e-2 * abs(results["torch"][0])
+    dq_t, dq_r = results["triton"][1], results["torch"][1]
+    assert (dq_t - dq_r).abs().max() <= 5e-2 * dq_r.abs().max()
