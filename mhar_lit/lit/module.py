@@ -87,12 +87,14 @@ class LanguageModel(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.config = ModelConfig.from_name(size, **(model_overrides or {}))
-        self.model = DecoderLM(self.config, residual if residual is not None else StandardResidual())
-        self.model.activation_checkpointing = activation_checkpointing
-        if init_from:
-            from mhar_lit.convert import load_weights_into
+        residual = residual if residual is not None else StandardResidual()
+        if init_from:  # no random init of weights that are about to be overwritten
+            from mhar_lit.convert.core import build_from_weights
 
-            load_weights_into(self.model, init_from)
+            self.model = build_from_weights(self.config, residual, init_from)
+        else:
+            self.model = DecoderLM(self.config, residual)
+        self.model.activation_checkpointing = activation_checkpointing
         self.val_loss = MeanMetric(nan_strategy="error")
         self.val_history: list[float] = []
         if compile:
