@@ -56,8 +56,6 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
                     logger.experiment.log_text(logger.run_id, text, "config.yaml")
                     return
             if trainer.log_dir and trainer.is_global_zero:
-                import os
-
                 os.makedirs(trainer.log_dir, exist_ok=True)
                 with open(os.path.join(trainer.log_dir, "config.yaml"), "w") as fh:
                     fh.write(text)

@@ -71,10 +71,14 @@ class RoutedResidual(ResidualStrategy):
     def route_sources(self, sources: list[Tensor], site: int) -> Tensor:
         stacked = torch.stack(sources) if len(sources) > 1 else sources[0].unsqueeze(0)
         if self.record_weights:
-            with torch.no_grad():
-                weights = routing_weights(stacked, self.query[site], self.key_norm[site], self.heads, self.eps)
-                self.recorded[site] = weights.mean(dim=(1, 2)).float().cpu()  # [N, H], token average
+            self.record(stacked, site)
         return route(stacked, self.query[site], self.key_norm[site], self.heads, self.eps, self.backend)
+
+    @torch.no_grad()
+    def record(self, sources_NBTD: Tensor, site: int) -> None:
+        """Store the token-averaged routing weights [N, H] of `site` (for monitors and the probe)."""
+        weights = routing_weights(sources_NBTD, self.query[site], self.key_norm[site], self.heads, self.eps)
+        self.recorded[site] = weights.mean(dim=(1, 2)).float().cpu()
 
     @property
     def final_site(self) -> int:
@@ -152,10 +156,7 @@ class FullAttnRes(RoutedResidual):
         mixed = state.routing.route(site, pending, *params)
         state.pending = None
         if self.record_weights:
-            with torch.no_grad():
-                stacked = state.routing.sources_view(site + 1)
-                weights = routing_weights(stacked, self.query[site], self.key_norm[site], self.heads, self.eps)
-                self.recorded[site] = weights.mean(dim=(1, 2)).float().cpu()  # [N, H], token average
+            self.record(state.routing.sources_view(site + 1), site)
         return mixed
 
 
