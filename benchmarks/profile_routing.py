@@ -17,12 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from routing import SHAPES, make_problem, run_once  # noqa: E402
 
-CONFIGS = [
-    dict(chunk=8, group=4, num_warps=4, tile_elements=4096),
+CONFIGS = [  # the defaults first (full_routing.DEFAULT_*), then alternatives
+    dict(),
     dict(chunk=8, group=8, num_warps=4, tile_elements=4096),
-    dict(chunk=8, group=8, num_warps=4, tile_elements=2048),
-    dict(chunk=8, group=8, num_warps=4, tile_elements=8192),
-    dict(chunk=4, group=8, num_warps=2, tile_elements=2048),
 ]
 
 
@@ -50,7 +47,8 @@ def kernel_table(prob, options):
 def print_registers():
     from mhar_lit.kernels import _routing_kernels as kern
 
-    for name in ("_site_fwd_kernel", "_prefix_fwd_kernel", "_site_bwd_kernel", "_suffix_bwd_kernel"):
+    for name in ("_append_kernel", "_prefix_fwd_kernel", "_merge_fwd_kernel", "_suffix_bwd_kernel",
+                 "_column_bwd_kernel"):
         fn = getattr(kern, name)
         for caches in getattr(fn, "device_caches", {}).values():
             cache = caches[0] if isinstance(caches, tuple) else caches
@@ -71,7 +69,7 @@ def main():
             wall, totals, counts = kernel_table(prob, options)
             busy = sum(totals.values()) / 1e3
             print(f"\n{shape} {options}: wall {wall:.2f} ms, kernels {busy:.2f} ms")
-            for name, us in totals.most_common(8):
+            for name, us in totals.most_common(10):
                 print(f"  {us / 1e3:8.2f} ms  x{counts[name]:4d}  {name}")
         del prob
         torch.cuda.empty_cache()

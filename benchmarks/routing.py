@@ -182,7 +182,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"])
     parser.add_argument("--variants", nargs="+", default=["torch", "compile", "triton_percall", "triton"])
-    parser.add_argument("--tune", action="store_true", help="also time a small grid of chunk/group/warps")
+    parser.add_argument("--tune", action="store_true", help="also time a grid of chunk/group/warps/tile")
+    parser.add_argument("--grid", default="8,4,2,2048;4,8,2,2048;8,8,2,2048;4,4,4,2048;4,8,2,4096;4,8,2,1024",
+                        help="--tune grid: 'chunk,group,warps,tile' entries separated by ';'")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
@@ -215,8 +217,9 @@ def main():
         prob = make_problem(d, L, H, B, T, torch.bfloat16)
         configs = [("triton", {})]
         if args.tune and "triton" in args.variants:
-            configs += [("triton", dict(chunk=c, group=g, num_warps=w))
-                        for c, g, w in ((8, 4, 8), (4, 4, 4), (4, 8, 4), (8, 8, 4), (12, 4, 4), (12, 8, 4))]
+            for entry_text in args.grid.split(";"):
+                c, g, w, tile = (int(x) for x in entry_text.split(","))
+                configs.append(("triton", dict(chunk=c, group=g, num_warps=w, tile_elements=tile)))
         # most important first: a run cut short by its time limit still leaves the triton numbers
         plan = (configs if "triton" in args.variants else []) + [(v, {}) for v in args.variants if v != "triton"]
         for variant, options in plan:

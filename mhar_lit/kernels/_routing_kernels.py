@@ -135,13 +135,72 @@ def _online_update(v, r, w_HK, m, l, acc, store_ty: tl.constexpr):
 
 
 @triton.jit
+def _pair_row(src, site, N):
+    """Row of the pair (source src, site >= src) in the source-major triangular pair table of N sites:
+    source j owns the N - j consecutive rows of sites j..N-1, starting at j*N - j*(j-1)/2."""
+    j = tl.full([], 0, tl.int64) + src  # int64; src may be a scalar, a loop index or a vector
+    return j * N - (j * (j - 1)) // 2 + (site - j)
+
+
+@triton.jit
+def _append_kernel(new_ptr, rows_ptr, r_ptr, row, P, D, eps,
+                   BLOCK_T: tl.constexpr, D_P: tl.constexpr, ACC: tl.constexpr):
+    """Full mode: the source of site `row` enters the shared buffer: rows[row] = new, r[row] = its inverse
+    RMS over the full width."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D_P)
+    mask_t = offs_t < P
+    mask = mask_t[:, None] & (offs_d[None, :] < D)
+    tile = offs_t[:, None].to(tl.int64) * D + offs_d[None, :]
+    row_off = (tl.full([], 0, tl.int64) + row) * P * D
+    v_raw = tl.load(new_ptr + tile, mask=mask, other=0.0)
+    tl.store(rows_ptr + row_off + tile, v_raw, mask=mask)
+    v = v_raw.to(ACC)
+    r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+    tl.store(r_ptr + row * P + offs_t, r, mask=mask_t)
+
+
+@triton.jit
+def _logits_kernel(rows_ptr, r_ptr, w_ptr, z_ptr, src, N, P, D, H, K,
+                   BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
+                   PREC: tl.constexpr):
+    """Logits of source `src` against every site s >= src, one head: z[(src, s), h, t] = <kr_[h], w_s,[h]>
+    with kr = round_storage(v r), as a tensor-core product [BLOCK_T, K] @ [K, S] in K_B-wide slices
+    (PREC "tf32x3": fp32-accurate; "ieee" for fp64)."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_s = tl.arange(0, S_P)
+    offs_b = tl.arange(0, K_B)
+    mask_t = offs_t < P
+    mask_s = src + offs_s < N
+    row_off = (tl.full([], 0, tl.int64) + src) * P * D
+    store_ty = rows_ptr.dtype.element_ty
+    r = tl.load(r_ptr + src * P + offs_t, mask=mask_t, other=0.0).to(ACC)
+    z = tl.zeros([BLOCK_T, S_P], ACC)
+    for k0 in range(0, K, K_B):
+        mask_b = k0 + offs_b < K
+        col = h * K + k0 + offs_b
+        v = tl.load(rows_ptr + row_off + offs_t[:, None].to(tl.int64) * D + col[None, :],
+                    mask=mask_t[:, None] & mask_b[None, :], other=0.0).to(ACC)
+        kr = _to_storage(v * r[:, None], store_ty).to(ACC)
+        w = tl.load(w_ptr + (src + offs_s)[None, :] * D + col[:, None],
+                    mask=mask_b[:, None] & mask_s[None, :], other=0.0).to(ACC)  # [K_B, S_P]
+        z += tl.dot(kr, w, input_precision=PREC, out_dtype=ACC)
+    pair = _pair_row(src, src + offs_s, N)
+    tl.store(z_ptr + (pair[None, :] * H + h) * P + offs_t[:, None], z, mask=mask_t[:, None] & mask_s[None, :])
+
+
+@triton.jit
 def _prefix_fwd_kernel(
-    rows_ptr, r_ptr, w_ptr, m_ptr, l_ptr, acc_ptr,
-    n_rows, site_lo, n_sites, P, D, H, K,
+    rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr,
+    n_rows, site_lo, n_sites, N, P, D, H, K,
     C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Prefix pass of a chunk, one head: every row in [0, n_rows) is read once and scored against the C
-    sites [site_lo, site_lo + n_sites); writes each site's (m, l, acc) state into slots 0..n_sites-1."""
+    """Prefix pass of a chunk, one head: every row in [0, n_rows) is read once and mixed into the C sites
+    [site_lo, site_lo + n_sites). The logits come from the pair table z (computed when each row entered),
+    so a first loop over z alone fixes each site's max and the row loop is one FMA per element and site,
+    with no rescaling. Writes each site's (m, l, acc) into slots 0..n_sites-1 (acc relative to m)."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -153,32 +212,77 @@ def _prefix_fwd_kernel(
     col = h * K + offs_k
     tile_TK = offs_t[:, None].to(tl.int64) * D + col[None, :]
     mask_TK = mask_t[:, None] & mask_k[None, :]
+    mask_CT = mask_c[:, None] & mask_t[None, :]
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
-    store_ty = rows_ptr.dtype.element_ty
+    z_CT = (offs_c[:, None].to(tl.int64) * H + h) * P + offs_t[None, :]  # + pair (n, site_lo) rows
 
-    w_CK = tl.load(w_ptr + (site_lo + offs_c)[:, None] * D + col[None, :],
-                   mask=mask_c[:, None] & mask_k[None, :], other=0.0).to(ACC)
     m = tl.full([C_P, BLOCK_T], float("-inf"), ACC)
+    for n in range(0, n_rows):
+        z = tl.load(z_ptr + _pair_row(n, site_lo, N) * H * P + z_CT, mask=mask_CT, other=float("-inf"))
+        m = tl.maximum(m, z)
+    m = tl.where(mask_CT, m, 0.0)  # padded sites/tokens: keep exp() finite
     l = tl.zeros([C_P, BLOCK_T], ACC)
     acc = tl.zeros([C_P, BLOCK_T, K_P], ACC)
     for n in range(0, n_rows):
+        z = tl.load(z_ptr + _pair_row(n, site_lo, N) * H * P + z_CT, mask=mask_CT, other=float("-inf"))
+        p = tl.exp(z - m)
+        l += p
         v = tl.load(rows_ptr + n * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC)
-        r = tl.load(r_ptr + n * P + offs_t, mask=mask_t, other=0.0).to(ACC)
-        kr = _to_storage(v * r[:, None], store_ty).to(ACC)
-        logit = tl.sum(kr[None, :, :] * w_CK[:, None, :], axis=2)  # [C_P, BLOCK_T]
-        m_new = tl.maximum(m, logit)
-        scale = tl.exp(m - m_new)
-        p = tl.exp(logit - m_new)
-        l = l * scale + p
-        acc = acc * scale[:, :, None] + p[:, :, None] * v[None, :, :]
-        m = m_new
+        acc += p[:, :, None] * v[None, :, :]
 
-    mask_CT = mask_c[:, None] & mask_t[None, :]
     ct = offs_c[:, None].to(tl.int64) * P + offs_t[None, :]
     tl.store(m_ptr + ct * H + h, m, mask=mask_CT)
     tl.store(l_ptr + ct * H + h, l, mask=mask_CT)
     acc_off = offs_c[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
     tl.store(acc_ptr + acc_off, acc, mask=mask_CT[:, :, None] & mask_k[None, None, :])
+
+
+@triton.jit
+def _merge_fwd_kernel(
+    rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
+    row_lo, site, state_slot, N, P, D, H, K,
+    HAS_INIT: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+):
+    """Full mode, one site and head: the prefix state (HAS_INIT) merged with the in-chunk rows
+    [row_lo, site] by log-sum-exp, all logits from the pair table z. Writes out (storage) and lse [P, H]."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, K_P)
+    mask_t = offs_t < P
+    mask_k = offs_k < K
+    col = h * K + offs_k
+    tile_TK = offs_t[:, None].to(tl.int64) * D + col[None, :]
+    mask_TK = mask_t[:, None] & mask_k[None, :]
+    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
+    z_T = h * P + offs_t
+
+    if HAS_INIT:
+        th = (state_slot * P + offs_t) * H + h
+        m0 = tl.load(m_ptr + th, mask=mask_t, other=0.0).to(ACC)
+        l0 = tl.load(l_ptr + th, mask=mask_t, other=0.0).to(ACC)
+        acc0 = tl.load(acc_ptr + state_slot * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC)
+        m = m0
+    else:
+        m = tl.full([BLOCK_T], float("-inf"), ACC)
+    for n in range(row_lo, site + 1):
+        z = tl.load(z_ptr + _pair_row(n, site, N) * H * P + z_T, mask=mask_t, other=0.0)
+        m = tl.maximum(m, z)
+    if HAS_INIT:
+        scale = tl.exp(m0 - m)
+        l = l0 * scale
+        acc = acc0 * scale[:, None]
+    else:
+        l = tl.zeros([BLOCK_T], ACC)
+        acc = tl.zeros([BLOCK_T, K_P], ACC)
+    for n in range(row_lo, site + 1):
+        z = tl.load(z_ptr + _pair_row(n, site, N) * H * P + z_T, mask=mask_t, other=0.0)
+        p = tl.exp(z - m)
+        l += p
+        acc += p[:, None] * tl.load(rows_ptr + n * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC)
+    out = acc / l[:, None]
+    tl.store(out_ptr + tile_TK, _to_storage(out, out_ptr.dtype.element_ty), mask=mask_TK)
+    tl.store(lse_ptr + (site * P + offs_t) * H + h, m + tl.log(l), mask=mask_t)
 
 
 @triton.jit
@@ -261,13 +365,16 @@ def _site_bwd_kernel(
 
 @triton.jit
 def _suffix_bwd_kernel(
-    rows_ptr, r_ptr, w_ptr, lse_ptr, S_ptr, dout_buf_ptr, part_dv_ptr, part_c_ptr, a_ptr,
-    n_lo, n_src, s_lo, s_hi, P, D, H, K,
+    rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, z_ptr, dl_ptr, part_dv_ptr, part_c_ptr,
+    n_lo, n_src, s_lo, s_hi, N, P, D, H, K,
     G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Suffix pass of a source group, one head: the group's rows [n_lo, n_lo + n_src) stay in registers while
-    every later site [s_lo, s_hi) is read once; writes the group's partial (dv, c) and each site's A partial
-    a[s - s_lo, pid_t, head columns]. Every pair is causal (all sites come after all sources)."""
+    """Full-mode suffix pass of a source group, one head: the group's rows [n_lo, n_lo + n_src) stay in
+    registers while every later site [s_lo, s_hi) is read once. Per pair it needs only the forward's logit
+    (pair table z) and the site's lse and S, so the loop is one K-reduction (gdot) and one FMA (value path)
+    per element: it writes the pair's softmax gradient dl into dl [pairs, H, P] (the key path and dq/dg
+    are finished later from dl, off the O(L^2) row traffic), the group's value-path partial dv and this
+    head's share of the RMSNorm coupling c = sum_s dl * logit (part_c [G, H, P])."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -280,31 +387,161 @@ def _suffix_bwd_kernel(
     tile_TK = offs_t[:, None].to(tl.int64) * D + col[None, :]
     mask_TK = mask_t[:, None] & mask_k[None, :]
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
-    store_ty = rows_ptr.dtype.element_ty
 
     mask_GT = mask_g[:, None] & mask_t[None, :]
     mask_GTK = mask_GT[:, :, None] & mask_k[None, None, :]
     rows_GTK = (n_lo + offs_g)[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
     v = tl.load(rows_ptr + rows_GTK, mask=mask_GTK, other=0.0).to(ACC)
-    r = tl.load(r_ptr + (n_lo + offs_g)[:, None] * P + offs_t[None, :], mask=mask_GT, other=0.0).to(ACC)
-    kr = _to_storage(v * r[:, :, None], store_ty).to(ACC)
+    z_GT = (_pair_row(n_lo + offs_g, s_lo, N)[:, None] * H + h) * P + offs_t[None, :]  # pair (g, s_lo)
     dv = tl.zeros([G_P, BLOCK_T, K_P], ACC)
     c = tl.zeros([G_P, BLOCK_T], ACC)
     for s in range(s_lo, s_hi):
         dout = tl.load(dout_buf_ptr + s * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC)
-        w_K = tl.load(w_ptr + s * D + col, mask=mask_k, other=0.0).to(ACC)
         lse = tl.load(lse_ptr + (s * P + offs_t) * H + h, mask=mask_t, other=0.0)
         S = tl.load(S_ptr + (s * P + offs_t) * H + h, mask=mask_t, other=0.0)
-        logit = tl.sum(kr * w_K[None, None, :], axis=2)  # [G_P, BLOCK_T]
+        z_off = z_GT + (s - s_lo) * H * P  # a source's pairs are consecutive rows
+        logit = tl.load(z_ptr + z_off, mask=mask_GT, other=0.0)
         alpha = tl.exp(logit - lse[None, :])
         gdot = tl.sum(v * dout[None, :, :], axis=2)
         dl = alpha * (gdot - S[None, :])
-        dv += alpha[:, :, None] * dout[None, :, :] + (dl * r)[:, :, None] * w_K[None, None, :]
+        tl.store(dl_ptr + z_off, dl, mask=mask_GT)
+        dv += alpha[:, :, None] * dout[None, :, :]
         c += dl * logit
-        a_K = tl.sum(tl.sum(dl[:, :, None] * kr, axis=0), axis=0)
-        tl.store(a_ptr + ((s - s_lo) * tl.num_programs(0) + pid_t) * D + col, a_K, mask=mask_k)
 
     part_GTK = offs_g[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
     tl.store(part_dv_ptr + part_GTK, dv, mask=mask_GTK)
-    gt = offs_g[:, None].to(tl.int64) * P + offs_t[None, :]
-    tl.store(part_c_ptr + gt * H + h, c, mask=mask_GT)
+    tl.store(part_c_ptr + (offs_g[:, None] * H + h) * P + offs_t[None, :], c, mask=mask_GT)
+
+
+@triton.jit
+def _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair, s, P, H, th, zth, mask_th):
+    """One in-group pair (site s, the column's source) on full rows: alpha from the saved logit, dl
+    (stored for dq/dg), returns dl and alpha [BLOCK_T, H_P] and the logit."""
+    logit = tl.load(z_ptr + pair * H * P + zth, mask=mask_th, other=0.0)
+    lse = tl.load(lse_ptr + s * P * H + th, mask=mask_th, other=0.0)
+    alpha = tl.exp(logit - lse)
+    dl = alpha * (tl.sum(dout * v, axis=2) - S)
+    tl.store(dl_ptr + pair * H * P + zth, dl, mask=mask_th)
+    return dl, alpha, logit
+
+
+@triton.jit
+def _column_bwd_kernel(
+    rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, dout_new_ptr, out_new_ptr,
+    z_ptr, dl_ptr, part_dv_ptr, part_c_ptr, dvp_ptr, c_ptr,
+    src, g_end, part_slot, N, P, D, H, K,
+    HAS_SUFFIX: tl.constexpr,
+    BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+):
+    """Full-mode backward of site `src`, full rows, everything of source `src` but its key path.
+
+    The new site's dout arrives (dout_new; S = <dout, out> per head is taken here; both are appended to
+    dout_buf/S for the later passes). The pairs (s, src) for in-group sites s in [src, g_end) are computed
+    here (value path, dl stored); the pairs s >= g_end came from the suffix pass (part_dv, part_c, dl). Writes the
+    value-path gradient dvp [P, D] (fp32) and the RMSNorm coupling c [P] = sum over pairs and heads of
+    dl * logit; _keypath_kernel then adds the key path and writes the source gradient."""
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.arange(0, H_P)
+    offs_k = tl.arange(0, K_P)
+    mask_t = offs_t < P
+    mask_hk = (offs_h[:, None] < H) & (offs_k[None, :] < K)
+    col_HK = offs_h[:, None] * K + offs_k[None, :]
+    tile = offs_t[:, None, None].to(tl.int64) * D + col_HK[None, :, :]
+    mask = mask_t[:, None, None] & mask_hk[None, :, :]
+    mask_th = mask_t[:, None] & (offs_h[None, :] < H)
+    th = offs_t[:, None].to(tl.int64) * H + offs_h[None, :]  # [N, P, H] tensors (lse, S)
+    zth = offs_h[None, :].to(tl.int64) * P + offs_t[:, None]  # [pairs, H, P] tensors (z, dl)
+    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
+
+    dout_raw = tl.load(dout_new_ptr + tile, mask=mask, other=0.0)
+    dout = dout_raw.to(ACC)
+    S = tl.sum(dout * tl.load(out_new_ptr + tile, mask=mask, other=0.0).to(ACC), axis=2)
+    tl.store(dout_buf_ptr + src * row_stride + tile, dout_raw, mask=mask)
+    tl.store(S_ptr + src * P * H + th, S, mask=mask_th)
+
+    v = tl.load(rows_ptr + src * row_stride + tile, mask=mask, other=0.0).to(ACC)
+    pair0 = _pair_row(src, src, N)
+    dl, alpha, logit = _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair0, src, P, H, th, zth, mask_th)
+    dv = alpha[:, :, None] * dout
+    c = tl.sum(dl * logit, axis=1)
+    if HAS_SUFFIX:
+        dv += tl.load(part_dv_ptr + part_slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
+        c += tl.sum(tl.load(part_c_ptr + part_slot * H * P + zth, mask=mask_th, other=0.0), axis=1)
+    for s in range(src + 1, g_end):  # in-group sites: their dout and S already sit in the buffers
+        dout = tl.load(dout_buf_ptr + s * row_stride + tile, mask=mask, other=0.0).to(ACC)
+        S = tl.load(S_ptr + s * P * H + th, mask=mask_th, other=0.0)
+        dl, alpha, logit = _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair0 + s - src, s, P, H, th, zth,
+                                      mask_th)
+        dv += alpha[:, :, None] * dout
+        c += tl.sum(dl * logit, axis=1)
+    tl.store(dvp_ptr + tile, dv, mask=mask)
+    tl.store(c_ptr + offs_t, c, mask=mask_t)
+
+
+@triton.jit
+def _keypath_kernel(rows_ptr, r_ptr, w_ptr, dl_ptr, dvp_ptr, c_ptr, dsrc_ptr, src, N, P, D, H, K,
+                    BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
+                    PREC: tl.constexpr):
+    """Source `src`'s gradient, one head: the key path of all its pairs through the RMSNorm,
+    dsrc = dvp + r * (dl @ w) - r^2/D * c * v, with dl [BLOCK_T, sites >= src] @ w [sites, K] a
+    tensor-core product (PREC as in _logits_kernel), in K_B-wide slices."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_s = tl.arange(0, S_P)
+    offs_b = tl.arange(0, K_B)
+    mask_t = offs_t < P
+    mask_s = src + offs_s < N
+    pair = _pair_row(src, src + offs_s, N)
+    dl = tl.load(dl_ptr + (pair[None, :] * H + h) * P + offs_t[:, None],
+                 mask=mask_t[:, None] & mask_s[None, :], other=0.0)  # [BLOCK_T, S_P]
+    r = tl.load(r_ptr + src * P + offs_t, mask=mask_t, other=0.0).to(ACC)
+    cr = r * r * tl.load(c_ptr + offs_t, mask=mask_t, other=0.0) / D
+    row_off = (tl.full([], 0, tl.int64) + src) * P * D
+    for k0 in range(0, K, K_B):
+        mask_b = k0 + offs_b < K
+        col = h * K + k0 + offs_b
+        w = tl.load(w_ptr + (src + offs_s)[:, None] * D + col[None, :],
+                    mask=mask_s[:, None] & mask_b[None, :], other=0.0).to(ACC)  # [S_P, K_B]
+        dkr = tl.dot(dl, w, input_precision=PREC, out_dtype=ACC)
+        tile = offs_t[:, None].to(tl.int64) * D + col[None, :]
+        mask = mask_t[:, None] & mask_b[None, :]
+        v = tl.load(rows_ptr + row_off + tile, mask=mask, other=0.0).to(ACC)
+        dv = tl.load(dvp_ptr + tile, mask=mask, other=0.0) + r[:, None] * dkr - cr[:, None] * v
+        tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, P, D, H, K,
+                       BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
+                       PREC: tl.constexpr):
+    """A_s = sum over sources j <= s and tokens of dl(s, j) kr_j, per head, once at the end of the
+    backward (dq = A g, dg = A q on the host). One program: a token block, a head and a K_B-wide column
+    slice; over the sources j it accumulates dl_j^T [sites, BLOCK_T] @ kr_j [BLOCK_T, K_B] on tensor cores
+    and writes its partial a[pid_t, sites, columns] (summed over token blocks on the host, fixed order)."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    k0 = tl.program_id(2) * K_B
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_s = tl.arange(0, S_P)
+    offs_b = tl.arange(0, K_B)
+    mask_t = offs_t < P
+    mask_b = k0 + offs_b < K
+    col = h * K + k0 + offs_b
+    tile = offs_t[:, None].to(tl.int64) * D + col[None, :]
+    mask = mask_t[:, None] & mask_b[None, :]
+    row_stride = (tl.full([], 0, tl.int64) + P) * D
+    store_ty = rows_ptr.dtype.element_ty
+    a = tl.zeros([S_P, K_B], ACC)
+    for j in range(0, N):
+        mask_s = (offs_s >= j) & (offs_s < N)
+        pair = _pair_row(j, tl.maximum(offs_s, j), N)
+        dl = tl.load(dl_ptr + (pair[:, None] * H + h) * P + offs_t[None, :],
+                     mask=mask_s[:, None] & mask_t[None, :], other=0.0)  # [S_P, BLOCK_T]
+        r = tl.load(r_ptr + j * P + offs_t, mask=mask_t, other=0.0).to(ACC)
+        v = tl.load(rows_ptr + j * row_stride + tile, mask=mask, other=0.0).to(ACC)
+        kr = _to_storage(v * r[:, None], store_ty).to(ACC)
+        a += tl.dot(dl, kr, input_precision=PREC, out_dtype=ACC)
+    tl.store(a_ptr + (pid_t * N + offs_s[:, None]).to(tl.int64) * D + col[None, :], a,
+             mask=(offs_s[:, None] < N) & mask_b[None, :])

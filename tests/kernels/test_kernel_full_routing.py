@@ -77,8 +77,16 @@ def test_chunked_equals_unchunked_and_per_call_path():
     per_call = lambda s, sources: route(torch.stack(sources), qq[s], gg[s], 4, backend="triton")  # noqa: E731
     loss = full_mode_loss(per_call, e, qq, gg, [m.float() for m in mats], dout)
     per_call_grads = (loss, *torch.autograd.grad(loss, (e, qq, gg)))
-    for a, b, c in zip(chunked, unchunked, per_call_grads):
-        assert rel(a, b) <= 1e-6 and rel(a, c) <= 1e-6
+    exact = _loss_and_grads("torch", *problem, 4, torch.float64)
+    ref32 = _loss_and_grads("torch", *problem, 4, torch.float32)
+    for name, a, b, c, x, r in zip(("loss", "d_embedding", "d_query", "d_norm_weight"), chunked, unchunked,
+                                   per_call_grads, exact, ref32):
+        # chunking only reorders fp32 sums (the prefix merge, the suffix/in-group split of the backward): the
+        # paths agree to 1e-6, or to twice the fp32 reference's own rounding error on this draw if larger
+        tol = max(1e-6, 2 * rel(r, x))
+        assert rel(a, b) <= tol and rel(a, c) <= tol, (
+            f"{name}: chunked vs unchunked {rel(a, b):.1e}, vs per-call {rel(a, c):.1e}, tol {tol:.1e} "
+            f"(seed {gen.initial_seed()})")
 
 
 def test_float64_gradcheck():
