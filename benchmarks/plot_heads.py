@@ -33,6 +33,9 @@ LABELS = [
 ]
 
 
+SPEED_EVERY = 20  # speed.every_n_steps of configs/replication/base.yaml
+
+
 def label(method: str) -> str:
     for pattern, name in LABELS:
         if re.search(pattern, method):
@@ -62,7 +65,9 @@ def speed_history(db: str) -> dict[str, float]:
     per_run: dict[str, list[float]] = {}
     for run, step, value in rows:
         s = step + 1  # MLflow step = global_step - 1 at logging time
-        if s <= 20 or s % 100 == 20:
+        # Lightning re-emits the callback's last value at every log_every_n_steps (10) flush, so each window
+        # shows up twice (steps 20 and 30, 40 and 50, ...): keep the steps where the callback measured (every 20).
+        if s % SPEED_EVERY or s <= SPEED_EVERY or s % 100 == SPEED_EVERY:
             continue
         per_run.setdefault(run, []).append(value)
     return {run: statistics.median(v) for run, v in per_run.items() if v}
@@ -96,6 +101,10 @@ def read_lr(results: str, default: str | None) -> float | None:
 
 def main(results: str, lr_arg: str | None = None) -> int:
     out = []
+    # run name -> how many runs were on the GPU at the same time (written by hand from the device log), if present
+    shared = {}
+    if os.path.isfile(os.path.join(results, "shared.json")):
+        shared = load(os.path.join(results, "shared.json"))
     rows, speed_rows = [], []
     for path in sorted(glob.glob(os.path.join(results, "*.json"))):
         data = load(path)
@@ -141,17 +150,23 @@ def main(results: str, lr_arg: str | None = None) -> int:
     if by_method:
         out += ["## Methods", "",
                 "tail-mean = mean of the validation losses at steps 200, 300, 400; paired delta = run minus the "
-                "baseline of the same seed (tail-mean); tokens/s alone = the `speed` runs (80 steps, one run on "
-                "the GPU): last 20-step window / median of the 20-step windows after step 20.", "",
+                "baseline of the same seed (tail-mean); tokens/s: the speed callback's last 20-step window (what "
+                "`compare` shows) / the median of its 20-step windows after step 20 without the three that hold a "
+                "validation pass; 'alone' = the `speed` runs (80 steps, one run on the GPU), 'GPU shared by k' = the "
+                "400-step run itself while k runs shared the GPU (not a speed measurement).", "",
                 "| method | seeds | tail-mean per seed | mean tail-mean | paired delta (mean ± std) | deltas per seed "
-                "| tokens/s alone (last / median) |",
+                "| tokens/s (last window / median) |",
                 "|---|---|---|---|---|---|---|"]
         for method in sorted(by_method, key=lambda m: order.index(label(m))):
             mine = sorted(by_method[method], key=lambda r: r["seed"])
             dm, ds, n = mean_std([r["pdelta"] for r in mine])
             tm, _, _ = mean_std([r["tail_mean"] for r in mine])
             sp = speed_by_method.get(method)
-            sp_cell = speed_cell(sp, speed).split(": ", 1)[1] if sp else "not measured"
+            if sp:
+                sp_cell = "alone: " + speed_cell(sp, speed).split(": ", 1)[1]
+            else:  # no solo speed run: the 400-step runs' own numbers, measured beside other runs
+                sp_cell = " ; ".join(f"GPU shared by {shared.get(r['name'], '?')}: " +
+                                     speed_cell(r, speed).split(": ", 1)[1] for r in mine)
             out.append(
                 f"| {label(method)} | {','.join(r['seed'] for r in mine)} | "
                 f"{' / '.join(fmt(r['tail_mean']) for r in mine)} | {fmt(tm)} | "
@@ -172,8 +187,8 @@ def main(results: str, lr_arg: str | None = None) -> int:
                            r["store"]))
     if points:
         out += ["## H sweep (MHAR, FullAttnRes)", "",
-                "tokens/s here are from the 400-step runs, which shared the GPU with up to three other runs: "
-                "not a speed measurement.", "",
+                "tokens/s here are from the 400-step runs, which shared the GPU with other runs (see the methods "
+                "table): not a speed measurement.", "",
                 "| H | seed | tail-mean | delta vs baseline (same seed) | tokens/s shared GPU (last / median) | store |",
                 "|---|---|---|---|---|---|"]
         for p in sorted(points, key=lambda p: (p[0], p[1])):
@@ -222,7 +237,7 @@ def plot(points, base, path: str) -> None:
         a.set_xlabel("routing heads H")
         a.grid(alpha=0.3)
     ax.set_ylabel("tail-mean val loss (steps 200-400)")
-    ax.set_title("MHAR vs H (d 512, L 12, 400 steps, 6.6M tokens)", fontsize=9)
+    ax.set_title(f"MHAR vs H (d 512, L 12, 400 steps, 6.6M tokens); H run: {', '.join(map(str, hs))}", fontsize=9)
     ax2.set_ylabel("paired delta vs baseline")
     ax2.set_title("paired delta (run - baseline of the same seed)", fontsize=9)
     ax.legend(fontsize=7)

@@ -5,10 +5,10 @@
 # repository root on the GPU machine:
 #   benchmarks/replicate.sh lr                  # baseline at lr 1e-3, 2e-3, 4e-3, seed 1, side by side
 #   benchmarks/replicate.sh pick-lr             # prints the lr with the lowest tail-mean of `lr` (rule below)
-#   LR=2e-3 benchmarks/replicate.sh runs NAME POINT...   # POINTs one after another into the store NAME
-#   LR=2e-3 SEEDS="1 2" benchmarks/replicate.sh methods  # = runs methods baseline:S mhar:S single-head:S hc:S
-#   LR=2e-3 SEEDS=1 HEADS="2 4 16" benchmarks/replicate.sh heads   # = runs heads h2:S h4:S h16:S
-#   LR=2e-3 benchmarks/replicate.sh speed       # short solo throughput runs (80 steps, no validation)
+#   LR=1e-3 benchmarks/replicate.sh runs NAME POINT...   # POINTs one after another into the store NAME
+#   LR=1e-3 SEEDS="1 2" benchmarks/replicate.sh methods  # = runs methods baseline:S mhar:S single-head:S hc:S
+#   LR=1e-3 SEEDS=1 HEADS="2 4 16" benchmarks/replicate.sh heads   # = runs heads h2:S h4:S h16:S
+#   LR=1e-3 benchmarks/replicate.sh speed       # short solo throughput runs (80 steps, no validation)
 #   benchmarks/replicate.sh compare             # compare table of every store
 # A POINT is METHOD:SEED with METHOD one of baseline, hc, single-head, mhar (configs/methods/*.yaml) or hN
 # (mhar.yaml with N routing heads). Anything after `--` is passed on to every `fit`.
@@ -20,7 +20,7 @@
 #
 # Environment:
 #   RESULTS   default benchmarks/results/replication     WORK    scratch (data cache), default /tmp/mhar_replication
-#   PYTHON    default python3                            LR      peak lr of runs/methods/heads/speed (default 2e-3)
+#   PYTHON    default python3                            LR      peak lr of runs/methods/heads/speed (default 1e-3)
 #   FIT_ARGS  extra fit arguments (word-split), before those after `--`
 #   DEADLINE  epoch seconds: a run whose estimated end lies past it is not started ("SKIPPED" says so). The
 #             estimate is a per-method time (est below) times SLOW_PCT/100; after each run SLOW_PCT becomes
@@ -30,7 +30,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 RESULTS=${RESULTS:-$REPO/benchmarks/results/replication}
 WORK=${WORK:-/tmp/mhar_replication}
 PY=${PYTHON:-python3}
-LR=${LR:-2e-3}
+LR=${LR:-1e-3}  # the lr tune of 2026-12-02 picked 1e-3 (docs/replication.md)
 SEEDS=${SEEDS:-1 2}
 HEADS=${HEADS:-2 4 16}
 LRS=${LRS:-1e-3 2e-3 4e-3}
