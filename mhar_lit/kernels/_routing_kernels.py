@@ -367,61 +367,73 @@ def _site_bwd_kernel(
 def _suffix_bwd_kernel(
     rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, z_ptr, dl_ptr, part_dv_ptr, part_c_ptr,
     n_lo, n_src, s_lo, s_hi, N, P, D, H, K,
-    G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+    G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, ACC: tl.constexpr,
 ):
     """Full-mode suffix pass of a source group, one head: the group's rows [n_lo, n_lo + n_src) stay in
     registers while every later site [s_lo, s_hi) is read once. Per pair it needs only the forward's logit
     (pair table z) and the site's lse and S, so the loop is one K-reduction (gdot) and one FMA (value path)
     per element: it writes the pair's softmax gradient dl into dl [pairs, H, P] (the key path and dq/dg
     are finished later from dl, off the O(L^2) row traffic), the group's value-path partial dv and this
-    head's share of the RMSNorm coupling c = sum_s dl * logit (part_c [G, H, P])."""
+    head's share of the RMSNorm coupling c = sum_s dl * logit (part_c [G, H, P]).
+    The head's K columns are held as two power-of-two slices, K_A + K_B >= K (160 = 128 + 32, not 256),
+    so that no work goes to padding; K_B = 0 when K is a power of two."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_k = tl.arange(0, K_P)
     offs_g = tl.arange(0, G_P)
     mask_t = offs_t < P
-    mask_k = offs_k < K
     mask_g = offs_g < n_src
-    col = h * K + offs_k
-    tile_TK = offs_t[:, None].to(tl.int64) * D + col[None, :]
-    mask_TK = mask_t[:, None] & mask_k[None, :]
-    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
-
     mask_GT = mask_g[:, None] & mask_t[None, :]
-    mask_GTK = mask_GT[:, :, None] & mask_k[None, None, :]
-    rows_GTK = (n_lo + offs_g)[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
-    v = tl.load(rows_ptr + rows_GTK, mask=mask_GTK, other=0.0).to(ACC)
+    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
+    rows_G = (n_lo + offs_g)[:, None, None].to(tl.int64) * row_stride
+    part_G = offs_g[:, None, None].to(tl.int64) * row_stride
+
+    offs_a = tl.arange(0, K_A)
+    tile_a = offs_t[:, None].to(tl.int64) * D + (h * K + offs_a)[None, :]
+    mask_a = mask_t[:, None] & (offs_a[None, :] < K)
+    v_a = tl.load(rows_ptr + rows_G + tile_a[None, :, :], mask=mask_g[:, None, None] & mask_a[None, :, :],
+                  other=0.0).to(ACC)
+    dv_a = tl.zeros([G_P, BLOCK_T, K_A], ACC)
+    if K_B > 0:
+        offs_b = K_A + tl.arange(0, K_B)
+        tile_b = offs_t[:, None].to(tl.int64) * D + (h * K + offs_b)[None, :]
+        mask_b = mask_t[:, None] & (offs_b[None, :] < K)
+        v_b = tl.load(rows_ptr + rows_G + tile_b[None, :, :], mask=mask_g[:, None, None] & mask_b[None, :, :],
+                      other=0.0).to(ACC)
+        dv_b = tl.zeros([G_P, BLOCK_T, K_B], ACC)
     z_GT = (_pair_row(n_lo + offs_g, s_lo, N)[:, None] * H + h) * P + offs_t[None, :]  # pair (g, s_lo)
-    dv = tl.zeros([G_P, BLOCK_T, K_P], ACC)
     c = tl.zeros([G_P, BLOCK_T], ACC)
     for s in range(s_lo, s_hi):
-        dout = tl.load(dout_buf_ptr + s * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC)
         lse = tl.load(lse_ptr + (s * P + offs_t) * H + h, mask=mask_t, other=0.0)
         S = tl.load(S_ptr + (s * P + offs_t) * H + h, mask=mask_t, other=0.0)
         z_off = z_GT + (s - s_lo) * H * P  # a source's pairs are consecutive rows
         logit = tl.load(z_ptr + z_off, mask=mask_GT, other=0.0)
         alpha = tl.exp(logit - lse[None, :])
-        gdot = tl.sum(v * dout[None, :, :], axis=2)
+        dout_a = tl.load(dout_buf_ptr + s * row_stride + tile_a, mask=mask_a, other=0.0).to(ACC)
+        gdot = tl.sum(v_a * dout_a[None, :, :], axis=2)
+        if K_B > 0:
+            dout_b = tl.load(dout_buf_ptr + s * row_stride + tile_b, mask=mask_b, other=0.0).to(ACC)
+            gdot += tl.sum(v_b * dout_b[None, :, :], axis=2)
+            dv_b += alpha[:, :, None] * dout_b[None, :, :]
         dl = alpha * (gdot - S[None, :])
         tl.store(dl_ptr + z_off, dl, mask=mask_GT)
-        dv += alpha[:, :, None] * dout[None, :, :]
+        dv_a += alpha[:, :, None] * dout_a[None, :, :]
         c += dl * logit
 
-    part_GTK = offs_g[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
-    tl.store(part_dv_ptr + part_GTK, dv, mask=mask_GTK)
+    tl.store(part_dv_ptr + part_G + tile_a[None, :, :], dv_a, mask=mask_g[:, None, None] & mask_a[None, :, :])
+    if K_B > 0:
+        tl.store(part_dv_ptr + part_G + tile_b[None, :, :], dv_b, mask=mask_g[:, None, None] & mask_b[None, :, :])
     tl.store(part_c_ptr + (offs_g[:, None] * H + h) * P + offs_t[None, :], c, mask=mask_GT)
 
 
 @triton.jit
-def _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair, s, P, H, th, zth, mask_th):
-    """One in-group pair (site s, the column's source) on full rows: alpha from the saved logit, dl
-    (stored for dq/dg), returns dl and alpha [BLOCK_T, H_P] and the logit."""
-    logit = tl.load(z_ptr + pair * H * P + zth, mask=mask_th, other=0.0)
-    lse = tl.load(lse_ptr + s * P * H + th, mask=mask_th, other=0.0)
-    alpha = tl.exp(logit - lse)
-    dl = alpha * (tl.sum(dout * v, axis=2) - S)
-    tl.store(dl_ptr + pair * H * P + zth, dl, mask=mask_th)
+def _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair, s, P, H, th, zt, mask_t):
+    """One in-group pair (site s, the column's source), one head: alpha from the saved logit, dl (stored for
+    the key path and dq/dg); returns dl, alpha and the logit [BLOCK_T]."""
+    logit = tl.load(z_ptr + pair * H * P + zt, mask=mask_t, other=0.0)
+    alpha = tl.exp(logit - tl.load(lse_ptr + s * P * H + th, mask=mask_t, other=0.0))
+    dl = alpha * (tl.sum(dout * v, axis=1) - S)
+    tl.store(dl_ptr + pair * H * P + zt, dl, mask=mask_t)
     return dl, alpha, logit
 
 
@@ -430,59 +442,56 @@ def _column_bwd_kernel(
     rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, dout_new_ptr, out_new_ptr,
     z_ptr, dl_ptr, part_dv_ptr, part_c_ptr, dvp_ptr, c_ptr,
     src, g_end, part_slot, N, P, D, H, K,
-    HAS_SUFFIX: tl.constexpr,
-    BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+    HAS_SUFFIX: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Full-mode backward of site `src`, full rows, everything of source `src` but its key path.
+    """Full-mode backward of site `src`, one head: everything of source `src` but its key path.
 
-    The new site's dout arrives (dout_new; S = <dout, out> per head is taken here; both are appended to
+    The new site's dout arrives (dout_new; S = <dout, out> of this head is taken here; both are appended to
     dout_buf/S for the later passes). The pairs (s, src) for in-group sites s in [src, g_end) are computed
-    here (value path, dl stored); the pairs s >= g_end came from the suffix pass (part_dv, part_c, dl). Writes the
-    value-path gradient dvp [P, D] (fp32) and the RMSNorm coupling c [P] = sum over pairs and heads of
-    dl * logit; _keypath_kernel then adds the key path and writes the source gradient."""
-    pid = tl.program_id(0)
-    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h = tl.arange(0, H_P)
+    here (value path, dl stored); the pairs s >= g_end came from the suffix pass (part_dv, part_c, dl).
+    Writes the value-path gradient dvp [P, D] (fp32) and this head's share of the RMSNorm coupling
+    c [H, P] (sum over pairs of dl * logit); _keypath_kernel adds the key path and writes the gradient."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, K_P)
     mask_t = offs_t < P
-    mask_hk = (offs_h[:, None] < H) & (offs_k[None, :] < K)
-    col_HK = offs_h[:, None] * K + offs_k[None, :]
-    tile = offs_t[:, None, None].to(tl.int64) * D + col_HK[None, :, :]
-    mask = mask_t[:, None, None] & mask_hk[None, :, :]
-    mask_th = mask_t[:, None] & (offs_h[None, :] < H)
-    th = offs_t[:, None].to(tl.int64) * H + offs_h[None, :]  # [N, P, H] tensors (lse, S)
-    zth = offs_h[None, :].to(tl.int64) * P + offs_t[:, None]  # [pairs, H, P] tensors (z, dl)
+    col = h * K + offs_k
+    tile = offs_t[:, None].to(tl.int64) * D + col[None, :]
+    mask = mask_t[:, None] & (offs_k[None, :] < K)
+    th = offs_t.to(tl.int64) * H + h  # [N, P, H] tensors (lse, S)
+    zt = h * P + offs_t.to(tl.int64)  # [pairs, H, P] tensors (z, dl)
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
 
     dout_raw = tl.load(dout_new_ptr + tile, mask=mask, other=0.0)
     dout = dout_raw.to(ACC)
-    S = tl.sum(dout * tl.load(out_new_ptr + tile, mask=mask, other=0.0).to(ACC), axis=2)
+    S = tl.sum(dout * tl.load(out_new_ptr + tile, mask=mask, other=0.0).to(ACC), axis=1)
     tl.store(dout_buf_ptr + src * row_stride + tile, dout_raw, mask=mask)
-    tl.store(S_ptr + src * P * H + th, S, mask=mask_th)
+    tl.store(S_ptr + src * P * H + th, S, mask=mask_t)
 
     v = tl.load(rows_ptr + src * row_stride + tile, mask=mask, other=0.0).to(ACC)
     pair0 = _pair_row(src, src, N)
-    dl, alpha, logit = _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair0, src, P, H, th, zth, mask_th)
-    dv = alpha[:, :, None] * dout
-    c = tl.sum(dl * logit, axis=1)
+    dl, alpha, logit = _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair0, src, P, H, th, zt, mask_t)
+    dv = alpha[:, None] * dout
+    c = dl * logit
     if HAS_SUFFIX:
         dv += tl.load(part_dv_ptr + part_slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
-        c += tl.sum(tl.load(part_c_ptr + part_slot * H * P + zth, mask=mask_th, other=0.0), axis=1)
+        c += tl.load(part_c_ptr + part_slot * H * P + zt, mask=mask_t, other=0.0)
     for s in range(src + 1, g_end):  # in-group sites: their dout and S already sit in the buffers
         dout = tl.load(dout_buf_ptr + s * row_stride + tile, mask=mask, other=0.0).to(ACC)
-        S = tl.load(S_ptr + s * P * H + th, mask=mask_th, other=0.0)
-        dl, alpha, logit = _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair0 + s - src, s, P, H, th, zth,
-                                      mask_th)
-        dv += alpha[:, :, None] * dout
-        c += tl.sum(dl * logit, axis=1)
+        S = tl.load(S_ptr + s * P * H + th, mask=mask_t, other=0.0)
+        dl, alpha, logit = _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair0 + s - src, s, P, H, th, zt,
+                                      mask_t)
+        dv += alpha[:, None] * dout
+        c += dl * logit
     tl.store(dvp_ptr + tile, dv, mask=mask)
-    tl.store(c_ptr + offs_t, c, mask=mask_t)
+    tl.store(c_ptr + zt, c, mask=mask_t)
 
 
 @triton.jit
 def _keypath_kernel(rows_ptr, r_ptr, w_ptr, dl_ptr, dvp_ptr, c_ptr, dsrc_ptr, src, N, P, D, H, K,
-                    BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
-                    PREC: tl.constexpr):
+                    BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, H_P: tl.constexpr,
+                    ACC: tl.constexpr, PREC: tl.constexpr):
     """Source `src`'s gradient, one head: the key path of all its pairs through the RMSNorm,
     dsrc = dvp + r * (dl @ w) - r^2/D * c * v, with dl [BLOCK_T, sites >= src] @ w [sites, K] a
     tensor-core product (PREC as in _logits_kernel), in K_B-wide slices."""
@@ -497,7 +506,10 @@ def _keypath_kernel(rows_ptr, r_ptr, w_ptr, dl_ptr, dvp_ptr, c_ptr, dsrc_ptr, sr
     dl = tl.load(dl_ptr + (pair[None, :] * H + h) * P + offs_t[:, None],
                  mask=mask_t[:, None] & mask_s[None, :], other=0.0)  # [BLOCK_T, S_P]
     r = tl.load(r_ptr + src * P + offs_t, mask=mask_t, other=0.0).to(ACC)
-    cr = r * r * tl.load(c_ptr + offs_t, mask=mask_t, other=0.0) / D
+    offs_h = tl.arange(0, H_P)
+    c = tl.sum(tl.load(c_ptr + offs_h[None, :] * P + offs_t[:, None],
+                       mask=mask_t[:, None] & (offs_h[None, :] < H), other=0.0), axis=1)  # over heads
+    cr = r * r * c / D
     row_off = (tl.full([], 0, tl.int64) + src) * P * D
     for k0 in range(0, K, K_B):
         mask_b = k0 + offs_b < K

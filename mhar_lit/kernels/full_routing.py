@@ -215,7 +215,7 @@ class FullRouting:
             "part_dv": torch.empty(self.group, p, d, dtype=acc_t, device=dev),
             "part_c": torch.empty(self.group, h, p, dtype=acc_t, device=dev),
             "dvp": torch.empty(p, d, dtype=acc_t, device=dev),
-            "c": torch.empty(p, dtype=acc_t, device=dev),
+            "c": torch.empty(h, p, dtype=acc_t, device=dev),  # RMSNorm coupling per head
             "has_suffix": False,
         }
 
@@ -223,32 +223,32 @@ class FullRouting:
         """Value path and dl of all sites >= g_end against the sources [g0, g_end), one read of each."""
         bw, d = self._bwd, self.shape[2]
         g_p = pow2(self.group)
+        k_a, k_b = split_width(self.k)
         # Measured on an H200 (2026-12-02): best at >= 2 tokens and about 32 tile elements per thread
         # (1B: 2 tokens x 8 x 256 on 4 warps ran 6.6 ms against 14.8 ms for 1 token on 2 warps).
-        block_t = max(2, tile_tokens(g_p * self.k_p, self.tile))
-        warps = min(8, max(1, g_p * self.k_p * block_t // 1024))
+        block_t = max(2, tile_tokens(g_p * (k_a + k_b), self.tile))
+        warps = min(8, max(1, g_p * (k_a + k_b) * block_t // 1024))
         kern._suffix_bwd_kernel[(triton.cdiv(self.p, block_t), self.heads)](
             self.rows, self.lse, bw["S"], bw["dout"], self.z, bw["dl"], bw["part_dv"], bw["part_c"],
             g0, g_end - g0, g_end, self.n_sites, self.n_sites, self.p, d, self.heads, self.k,
-            G_P=g_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, num_warps=warps,
+            G_P=g_p, BLOCK_T=block_t, K_A=k_a, K_B=k_b, ACC=self.acc_tl, num_warps=warps,
         )
 
     def _column(self, site: int, g0: int, g_end: int, dout_BTD: Tensor) -> Tensor:
-        """Finish source `site`: in-group pairs and value path (full rows), then the key path of all its pairs."""
+        """Finish source `site`: in-group pairs and value path, then the key path of all its pairs."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
-        block_t = tile_tokens(self.h_p * self.k_p, self.tile)
-        kern._column_bwd_kernel[(triton.cdiv(p, block_t),)](
+        block_t = tile_tokens(self.k_p, self.tile)
+        kern._column_bwd_kernel[(triton.cdiv(p, block_t), self.heads)](
             self.rows, self.lse, bw["S"], bw["dout"], dout_BTD.to(self.dtype).contiguous(), self.outputs[site],
             self.z, bw["dl"], bw["part_dv"], bw["part_c"], bw["dvp"], bw["c"],
             site, g_end, site - g0, n, p, d, self.heads, self.k,
-            HAS_SUFFIX=bw["has_suffix"],
-            BLOCK_T=block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl, num_warps=self.num_warps,
+            HAS_SUFFIX=bw["has_suffix"], BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, num_warps=self.num_warps,
         )
         dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
         kern._keypath_kernel[(triton.cdiv(p, DOT_TOKENS), self.heads)](
             self.rows, self.r, self.w_SD, bw["dl"], bw["dvp"], bw["c"], dsrc_PD, site, n, p, d, self.heads, self.k,
-            BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n - site), ACC=self.acc_tl, PREC=self.prec,
-            num_warps=4,
+            BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n - site), H_P=self.h_p, ACC=self.acc_tl,
+            PREC=self.prec, num_warps=4,
         )
         if site == 0:
             self._query_grad()
@@ -264,6 +264,12 @@ class FullRouting:
             BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n), ACC=self.acc_tl, PREC=self.prec, num_warps=4,
         )
         bw["a"] = a_part.sum(0)
+
+
+def split_width(k: int) -> tuple[int, int]:
+    """A head width as two power-of-two slices k_a + k_b >= k with k_a <= k (160 -> 128 + 32; 128 -> 128 + 0)."""
+    k_a = 1 << (k.bit_length() - 1)
+    return k_a, (pow2(k - k_a) if k > k_a else 0)
 
 
 def dot_dim(n: int) -> int:

@@ -58,7 +58,8 @@ def test_float64_gradcheck():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_within_reference_rounding_error(dtype):
     gen = fresh_generator()
-    n, b, t, d, h = 5, 2, 4, 32, 4
+    n, b, t, d, h = 5, 2, 16, 32, 4  # 32 tokens: with 8, the error ratio of
+    # d_norm_weight (a sum over tokens) was noisy enough to fail about 1 draw in 100 (seeds 26, 947806152)
     sources, q, g = random_case(n, b, t, d, torch.float64, gen)
     dout = torch.randn(b, t, d, generator=gen, dtype=torch.float64)
     exact = _grads(sources, q, g, h, dout, "torch")
