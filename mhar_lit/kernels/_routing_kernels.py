@@ -3,13 +3,15 @@
 Layout. Every routed tensor is a stack of rows [rows, P, D] with P = B*T positions, row-major, contiguous.
 Head h owns columns [h*K, (h+1)*K), K = D/H. Tiles are padded to powers of two (K_P, H_P) and masked.
 
-Two kinds of programs:
-- full-row programs (`_site_fwd_kernel`, `_site_bwd_kernel`) hold a [BLOCK_T, H_P, K_P] tile: they can take
-  the RMS statistic of a row themselves, and they own the cross-head coupling term of the RMSNorm backward;
-- per-head programs (`_prefix_fwd_kernel`, `_suffix_bwd_kernel`) hold [.., BLOCK_T, K_P] tiles of one head,
-  so tokens x heads tile independently; they read the per-row statistic r [rows, P] precomputed when the
-  row was first seen. These carry the O(L^2) traffic of full mode and reuse each row read across several
-  routing sites (KERNELS.md, "reuse each source read across several sites").
+Per-call path (`_site_fwd_kernel`, `_site_bwd_kernel`; routing_triton.py, used by block and delta modes):
+full-row programs holding a [BLOCK_T, H_P, K_P] tile take each row's RMS statistic themselves and own the
+cross-head coupling term of the RMSNorm backward.
+
+Full-mode path (full_routing.py): `_append_kernel` writes a source into the shared buffer with its
+statistic; `_logits_kernel` writes its logits against every later site into the pair table z [pairs, H, P]
+(tensor cores); `_prefix_fwd_kernel` and `_merge_fwd_kernel` mix rows with the logits from z; backward:
+`_suffix_bwd_kernel` (one read of a group's rows and of every later dout), `_column_bwd_kernel` (in-group
+pairs), `_keypath_kernel` and `_query_grad_kernel` (tensor-core contractions over sites and tokens).
 
 Math per (site s, source n, position, head h), with w = q_s * g_s folded in the compute dtype ACC:
     kr      = round_storage(v_n * r_n)                  the reference's key rounding, before g
@@ -63,18 +65,11 @@ def _rsqrt_mean_square(v, D, eps):
 
 @triton.jit
 def _site_fwd_kernel(
-    rows_ptr, r_ptr, new_ptr, w_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
-    row_lo, row_hi, new_row, site, state_slot, P, D, H, K, eps,
-    HAS_INIT: tl.constexpr, HAS_NEW: tl.constexpr, INLINE_R: tl.constexpr,
+    rows_ptr, r_ptr, w_ptr, out_ptr, lse_ptr, n_rows, P, D, H, K, eps,
     BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
 ):
-    """One site, full rows: online softmax over rows [row_lo, row_hi) (+ one new row), write out and lse.
-
-    HAS_INIT: start from a prefix state slot (m, l [slots, P, H]; acc [slots, P, D], acc relative to m).
-    HAS_NEW: the newest source comes from new_ptr [P, D]; its statistic is computed here and it is copied
-             into rows_ptr[new_row] and r_ptr[new_row] (the shared buffer's append, fused).
-    INLINE_R: compute each row's statistic here and store it into r_ptr (per-call path), else load it.
-    """
+    """Per-call routing, full rows: online softmax over the rows [0, n_rows); each row's statistic is taken
+    here and kept in r_ptr [N, P] for the backward; writes out and lse [P, H]."""
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.arange(0, H_P)
@@ -89,31 +84,14 @@ def _site_fwd_kernel(
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
     store_ty = rows_ptr.dtype.element_ty
 
-    w_HK = tl.load(w_ptr + site * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
-    if HAS_INIT:
-        m = tl.load(m_ptr + state_slot * P * H + th, mask=mask_th, other=0.0).to(ACC)
-        l = tl.load(l_ptr + state_slot * P * H + th, mask=mask_th, other=1.0).to(ACC)
-        acc = tl.load(acc_ptr + state_slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
-    else:
-        m = tl.full([BLOCK_T, H_P], float("-inf"), ACC)
-        l = tl.zeros([BLOCK_T, H_P], ACC)
-        acc = tl.zeros([BLOCK_T, H_P, K_P], ACC)
-
-    for n in range(row_lo, row_hi):
+    w_HK = tl.load(w_ptr + col_HK, mask=mask_hk, other=0.0).to(ACC)
+    m = tl.full([BLOCK_T, H_P], float("-inf"), ACC)
+    l = tl.zeros([BLOCK_T, H_P], ACC)
+    acc = tl.zeros([BLOCK_T, H_P, K_P], ACC)
+    for n in range(0, n_rows):
         v = tl.load(rows_ptr + n * row_stride + tile, mask=mask, other=0.0).to(ACC)
-        if INLINE_R:
-            r = _rsqrt_mean_square(v, D, eps)
-            tl.store(r_ptr + n * P + offs_t, r, mask=mask_t)
-        else:
-            r = tl.load(r_ptr + n * P + offs_t, mask=mask_t, other=0.0).to(ACC)
-        m, l, acc = _online_update(v, r, w_HK, m, l, acc, store_ty)
-
-    if HAS_NEW:
-        v_raw = tl.load(new_ptr + tile, mask=mask, other=0.0)
-        tl.store(rows_ptr + new_row * row_stride + tile, v_raw, mask=mask)
-        v = v_raw.to(ACC)
         r = _rsqrt_mean_square(v, D, eps)
-        tl.store(r_ptr + new_row * P + offs_t, r, mask=mask_t)
+        tl.store(r_ptr + n * P + offs_t, r, mask=mask_t)
         m, l, acc = _online_update(v, r, w_HK, m, l, acc, store_ty)
 
     out = acc / l[:, :, None]
@@ -286,34 +264,27 @@ def _merge_fwd_kernel(
 
 
 @triton.jit
-def _pair_bwd(v, kr, r, dout, w_HK, lse, S, dv, c):
-    """Backward of one (site, source) pair on full-row tiles; returns dv, c and this pair's A tile [H_P, K_P]."""
+def _pair_bwd(v, kr, r, dout, w_HK, lse, S):
+    """Backward of one (site, source) pair on full-row tiles: the source gradient before the RMSNorm
+    coupling (value path + per-head key path), the coupling c [BLOCK_T] and the pair's A tile [H_P, K_P]."""
     logit = tl.sum(kr * w_HK[None, :, :], axis=2)  # [BLOCK_T, H_P]
     alpha = tl.exp(logit - lse)
     gdot = tl.sum(dout * v, axis=2)
     dl = alpha * (gdot - S)
-    dv += alpha[:, :, None] * dout + (dl * r[:, None])[:, :, None] * w_HK[None, :, :]
-    c += tl.sum(dl * logit, axis=1)
+    dv = alpha[:, :, None] * dout + (dl * r[:, None])[:, :, None] * w_HK[None, :, :]
+    c = tl.sum(dl * logit, axis=1)
     a_HK = tl.sum(dl[:, :, None] * kr, axis=0)
     return dv, c, a_HK
 
 
 @triton.jit
 def _site_bwd_kernel(
-    rows_ptr, r_ptr, w_ptr, lse_ptr, S_ptr, dout_buf_ptr, dout_new_ptr, out_new_ptr,
-    part_dv_ptr, part_c_ptr, dsrc_ptr, a_new_ptr, a_other_ptr,
-    n_lo, n_hi, new_site, other_lo, other_hi, part_slot, P, D, H, K,
-    HAS_INIT: tl.constexpr, STORE_NEW: tl.constexpr,
+    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, dsrc_ptr, a_ptr, n_rows, P, D, H, K,
     BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Backward, full rows. Sources [n_lo, n_hi) against the newest site `new_site` (its dout and output come
-    from dout_new_ptr/out_new_ptr; S = <dout, out> per head is computed here) and the older sites
-    [other_lo, other_hi) whose dout/S already sit in dout_buf/S. Writes the finished source gradients
-    dsrc[n - n_lo] (storage dtype), the new site's A partial a_new[pid] (summed over the sources) and the
-    older sites' A partials a_other[s - other_lo, pid] (only with one source: asserted on the host).
-    HAS_INIT adds the suffix pass's partial (dv, c) of slot part_slot; STORE_NEW appends dout and S of the
-    new site to dout_buf/S for the later passes.
-    """
+    """Per-call routing backward, full rows: S = <dout, out> per head, then every source row's finished
+    gradient dsrc[n] (storage dtype, written once) and this program's partial of A (summed over its tokens
+    and the rows) into a[pid] (summed on the host in a fixed order)."""
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.arange(0, H_P)
@@ -328,39 +299,20 @@ def _site_bwd_kernel(
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
     store_ty = rows_ptr.dtype.element_ty
 
-    dout_new_raw = tl.load(dout_new_ptr + tile, mask=mask, other=0.0)
-    dout_new = dout_new_raw.to(ACC)
-    out_new = tl.load(out_new_ptr + tile, mask=mask, other=0.0).to(ACC)
-    S_new = tl.sum(dout_new * out_new, axis=2)
-    if STORE_NEW:
-        tl.store(dout_buf_ptr + new_site * row_stride + tile, dout_new_raw, mask=mask)
-        tl.store(S_ptr + new_site * P * H + th, S_new, mask=mask_th)
-    w_new = tl.load(w_ptr + new_site * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
-    lse_new = tl.load(lse_ptr + new_site * P * H + th, mask=mask_th, other=0.0)
-
-    a_new = tl.zeros([H_P, K_P], ACC)
-    for n in range(n_lo, n_hi):
+    dout = tl.load(dout_ptr + tile, mask=mask, other=0.0).to(ACC)
+    S = tl.sum(dout * tl.load(out_ptr + tile, mask=mask, other=0.0).to(ACC), axis=2)
+    w_HK = tl.load(w_ptr + col_HK, mask=mask_hk, other=0.0).to(ACC)
+    lse = tl.load(lse_ptr + th, mask=mask_th, other=0.0)
+    a = tl.zeros([H_P, K_P], ACC)
+    for n in range(0, n_rows):
         v = tl.load(rows_ptr + n * row_stride + tile, mask=mask, other=0.0).to(ACC)
         r = tl.load(r_ptr + n * P + offs_t, mask=mask_t, other=0.0).to(ACC)
         kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
-        if HAS_INIT:
-            dv = tl.load(part_dv_ptr + part_slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
-            c = tl.sum(tl.load(part_c_ptr + part_slot * P * H + th, mask=mask_th, other=0.0).to(ACC), axis=1)
-        else:
-            dv = tl.zeros([BLOCK_T, H_P, K_P], ACC)
-            c = tl.zeros([BLOCK_T], ACC)
-        dv, c, a_HK = _pair_bwd(v, kr, r, dout_new, w_new, lse_new, S_new, dv, c)
-        a_new += a_HK
-        for s in range(other_lo, other_hi):
-            dout = tl.load(dout_buf_ptr + s * row_stride + tile, mask=mask, other=0.0).to(ACC)
-            w_HK = tl.load(w_ptr + s * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
-            lse = tl.load(lse_ptr + s * P * H + th, mask=mask_th, other=0.0)
-            S = tl.load(S_ptr + s * P * H + th, mask=mask_th, other=0.0)
-            dv, c, a_HK = _pair_bwd(v, kr, r, dout, w_HK, lse, S, dv, c)
-            tl.store(a_other_ptr + ((s - other_lo) * tl.num_programs(0) + pid) * D + col_HK, a_HK, mask=mask_hk)
+        dv, c, a_HK = _pair_bwd(v, kr, r, dout, w_HK, lse, S)
+        a += a_HK
         dv -= (r * r * c / D)[:, None, None] * v
-        tl.store(dsrc_ptr + (n - n_lo) * row_stride + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
-    tl.store(a_new_ptr + pid * D + col_HK, a_new, mask=mask_hk)
+        tl.store(dsrc_ptr + n * row_stride + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
+    tl.store(a_ptr + pid * D + col_HK, a, mask=mask_hk)
 
 
 @triton.jit

@@ -76,9 +76,7 @@ def _launch_forward(rows_NPD: Tensor, w_1D: Tensor, heads: int, eps: float):
     out_PD = torch.empty(p, d, dtype=rows_NPD.dtype, device=rows_NPD.device)
     grid = (triton.cdiv(p, block_t),)
     kern._site_fwd_kernel[grid](
-        rows_NPD, r_NP, rows_NPD, w_1D, lse_PH, lse_PH, out_PD, out_PD, lse_PH,
-        0, n, 0, 0, 0, p, d, heads, k, eps,
-        HAS_INIT=False, HAS_NEW=False, INLINE_R=True,
+        rows_NPD, r_NP, w_1D, out_PD, lse_PH, n, p, d, heads, k, eps,
         BLOCK_T=block_t, H_P=h_p, K_P=k_p, ACC=acc_tl, num_warps=4,
     )
     return out_PD, r_NP, lse_PH
@@ -95,10 +93,7 @@ def _launch_backward(rows_NPD: Tensor, r_NP: Tensor, w_1D: Tensor, lse_PH: Tenso
     dsrc_NPD = torch.empty_like(rows_NPD)
     a_part = torch.empty(programs, d, dtype=acc_t, device=rows_NPD.device)
     kern._site_bwd_kernel[(programs,)](
-        rows_NPD, r_NP, w_1D, lse_PH, lse_PH, dout_PD, dout_PD, out_PD,
-        lse_PH, lse_PH, dsrc_NPD, a_part, a_part,
-        0, n, 0, 0, 0, 0, p, d, heads, k,
-        HAS_INIT=False, STORE_NEW=False,
+        rows_NPD, r_NP, w_1D, lse_PH, dout_PD, out_PD, dsrc_NPD, a_part, n, p, d, heads, k,
         BLOCK_T=block_t, H_P=h_p, K_P=k_p, ACC=acc_tl, num_warps=4,
     )
     return dsrc_NPD, a_part.sum(0)
