@@ -317,65 +317,50 @@ def _site_bwd_kernel(
 
 @triton.jit
 def _suffix_bwd_kernel(
-    rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, z_ptr, dl_ptr, part_dv_ptr, part_c_ptr,
+    rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, z_ptr, dl_ptr, part_dv_ptr,
     n_lo, n_src, s_lo, s_hi, N, P, D, H, K,
-    G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, ACC: tl.constexpr,
+    G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
 ):
     """Full-mode suffix pass of a source group, one head: the group's rows [n_lo, n_lo + n_src) stay in
     registers while every later site [s_lo, s_hi) is read once. Per pair it needs only the forward's logit
     (pair table z) and the site's lse and S, so the loop is one K-reduction (gdot) and one FMA (value path)
     per element: it writes the pair's softmax gradient dl into dl [pairs, H, P] (the key path and dq/dg
-    are finished later from dl, off the O(L^2) row traffic), the group's value-path partial dv and this
-    head's share of the RMSNorm coupling c = sum_s dl * logit (part_c [G, H, P]).
-    The head's K columns are held as two power-of-two slices, K_A + K_B >= K (160 = 128 + 32, not 256),
-    so that no work goes to padding; K_B = 0 when K is a power of two."""
+    are finished later from dl, off the O(L^2) row traffic) and the group's value-path partial dv.
+    (A version that also accumulated the RMSNorm coupling sum_s dl * logit here, a loop-carried
+    [G, BLOCK_T] tile, ran 2-2.5x slower on an H200 at 100M/350M; the column kernel takes it from dl and z.)"""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, K_P)
     offs_g = tl.arange(0, G_P)
     mask_t = offs_t < P
+    mask_k = offs_k < K
     mask_g = offs_g < n_src
-    mask_GT = mask_g[:, None] & mask_t[None, :]
+    col = h * K + offs_k
+    tile_TK = offs_t[:, None].to(tl.int64) * D + col[None, :]
+    mask_TK = mask_t[:, None] & mask_k[None, :]
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
-    rows_G = (n_lo + offs_g)[:, None, None].to(tl.int64) * row_stride
-    part_G = offs_g[:, None, None].to(tl.int64) * row_stride
 
-    offs_a = tl.arange(0, K_A)
-    tile_a = offs_t[:, None].to(tl.int64) * D + (h * K + offs_a)[None, :]
-    mask_a = mask_t[:, None] & (offs_a[None, :] < K)
-    v_a = tl.load(rows_ptr + rows_G + tile_a[None, :, :], mask=mask_g[:, None, None] & mask_a[None, :, :],
-                  other=0.0).to(ACC)
-    dv_a = tl.zeros([G_P, BLOCK_T, K_A], ACC)
-    if K_B > 0:
-        offs_b = K_A + tl.arange(0, K_B)
-        tile_b = offs_t[:, None].to(tl.int64) * D + (h * K + offs_b)[None, :]
-        mask_b = mask_t[:, None] & (offs_b[None, :] < K)
-        v_b = tl.load(rows_ptr + rows_G + tile_b[None, :, :], mask=mask_g[:, None, None] & mask_b[None, :, :],
-                      other=0.0).to(ACC)
-        dv_b = tl.zeros([G_P, BLOCK_T, K_B], ACC)
+    mask_GT = mask_g[:, None] & mask_t[None, :]
+    mask_GTK = mask_GT[:, :, None] & mask_k[None, None, :]
+    rows_GTK = (n_lo + offs_g)[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
+    v = tl.load(rows_ptr + rows_GTK, mask=mask_GTK, other=0.0).to(ACC)
     z_GT = (_pair_row(n_lo + offs_g, s_lo, N)[:, None] * H + h) * P + offs_t[None, :]  # pair (g, s_lo)
-    c = tl.zeros([G_P, BLOCK_T], ACC)
+    dv = tl.zeros([G_P, BLOCK_T, K_P], ACC)
     for s in range(s_lo, s_hi):
+        dout = tl.load(dout_buf_ptr + s * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC)
         lse = tl.load(lse_ptr + (s * P + offs_t) * H + h, mask=mask_t, other=0.0)
         S = tl.load(S_ptr + (s * P + offs_t) * H + h, mask=mask_t, other=0.0)
         z_off = z_GT + (s - s_lo) * H * P  # a source's pairs are consecutive rows
         logit = tl.load(z_ptr + z_off, mask=mask_GT, other=0.0)
         alpha = tl.exp(logit - lse[None, :])
-        dout_a = tl.load(dout_buf_ptr + s * row_stride + tile_a, mask=mask_a, other=0.0).to(ACC)
-        gdot = tl.sum(v_a * dout_a[None, :, :], axis=2)
-        if K_B > 0:
-            dout_b = tl.load(dout_buf_ptr + s * row_stride + tile_b, mask=mask_b, other=0.0).to(ACC)
-            gdot += tl.sum(v_b * dout_b[None, :, :], axis=2)
-            dv_b += alpha[:, :, None] * dout_b[None, :, :]
+        gdot = tl.sum(v * dout[None, :, :], axis=2)
         dl = alpha * (gdot - S[None, :])
         tl.store(dl_ptr + z_off, dl, mask=mask_GT)
-        dv_a += alpha[:, :, None] * dout_a[None, :, :]
-        c += dl * logit
+        dv += alpha[:, :, None] * dout[None, :, :]
 
-    tl.store(part_dv_ptr + part_G + tile_a[None, :, :], dv_a, mask=mask_g[:, None, None] & mask_a[None, :, :])
-    if K_B > 0:
-        tl.store(part_dv_ptr + part_G + tile_b[None, :, :], dv_b, mask=mask_g[:, None, None] & mask_b[None, :, :])
-    tl.store(part_c_ptr + (offs_g[:, None] * H + h) * P + offs_t[None, :], c, mask=mask_GT)
+    part_GTK = offs_g[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
+    tl.store(part_dv_ptr + part_GTK, dv, mask=mask_GTK)
 
 
 @triton.jit
@@ -392,15 +377,15 @@ def _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair, s, P, H, th, zt, mask_t
 @triton.jit
 def _column_bwd_kernel(
     rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, dout_new_ptr, out_new_ptr,
-    z_ptr, dl_ptr, part_dv_ptr, part_c_ptr, dvp_ptr, c_ptr,
+    z_ptr, dl_ptr, part_dv_ptr, dvp_ptr, c_ptr,
     src, g_end, part_slot, N, P, D, H, K,
-    HAS_SUFFIX: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+    HAS_SUFFIX: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
 ):
     """Full-mode backward of site `src`, one head: everything of source `src` but its key path.
 
     The new site's dout arrives (dout_new; S = <dout, out> of this head is taken here; both are appended to
     dout_buf/S for the later passes). The pairs (s, src) for in-group sites s in [src, g_end) are computed
-    here (value path, dl stored); the pairs s >= g_end came from the suffix pass (part_dv, part_c, dl).
+    here (value path, dl stored); the pairs s >= g_end came from the suffix pass (part_dv, dl).
     Writes the value-path gradient dvp [P, D] (fp32) and this head's share of the RMSNorm coupling
     c [H, P] (sum over pairs of dl * logit); _keypath_kernel adds the key path and writes the gradient."""
     pid_t = tl.program_id(0)
@@ -428,7 +413,12 @@ def _column_bwd_kernel(
     c = dl * logit
     if HAS_SUFFIX:
         dv += tl.load(part_dv_ptr + part_slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
-        c += tl.load(part_c_ptr + part_slot * H * P + zt, mask=mask_t, other=0.0)
+        # the suffix pairs' coupling: their dl and logits as one [BLOCK_T, sites] tile, not a loop over sites
+        offs_s = g_end + tl.arange(0, S_P)
+        zts = (pair0 + offs_s - src)[None, :] * H * P + zt[:, None]
+        mask_ts = mask_t[:, None] & (offs_s[None, :] < N)
+        c += tl.sum(tl.load(dl_ptr + zts, mask=mask_ts, other=0.0) * tl.load(z_ptr + zts, mask=mask_ts, other=0.0),
+                    axis=1)
     for s in range(src + 1, g_end):  # in-group sites: their dout and S already sit in the buffers
         dout = tl.load(dout_buf_ptr + s * row_stride + tile, mask=mask, other=0.0).to(ACC)
         S = tl.load(S_ptr + s * P * H + th, mask=mask_t, other=0.0)

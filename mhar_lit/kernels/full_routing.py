@@ -41,9 +41,9 @@ from mhar_lit.kernels import _routing_kernels as kern
 from mhar_lit.kernels.routing_triton import (accumulator, check_device, check_storage_dtype, pow2,
                                              tile_tokens)
 
-# Defaults = the best configuration measured on an H200 (benchmarks/results/routing.md, 2026-12-02):
-# chunk 4 / group 8 / 2 warps / 2048-element tiles ran 16.8 / 27.5 / 35.9 ms at the 100M / 350M / 1B shapes
-# against 15.3 / 32.4 / 134 ms for chunk 8 / group 4 / 4 warps / 4096.
+# Defaults from the H200 measurements of 2026-12-02 (benchmarks/results/routing.md): no single configuration
+# of the v2 grid was best at every shape (100M: 4/8/2 warps/4096; 350M: 4/8/2/2048; 1B: 8/4/2/2048); these
+# are the 350M best and within 1.35x of the best elsewhere (try-2 kernels). The suffix pass picks its own tokens and warps.
 DEFAULT_CHUNK = 4  # C: sites per forward prefix pass
 DEFAULT_GROUP = 8  # G: sources per backward suffix pass
 DEFAULT_WARPS = 2
@@ -213,7 +213,6 @@ class FullRouting:
             "S": torch.empty(n, p, h, dtype=acc_t, device=dev),
             "dl": torch.empty_like(self.z),  # softmax gradient of every pair, same layout as the logits
             "part_dv": torch.empty(self.group, p, d, dtype=acc_t, device=dev),
-            "part_c": torch.empty(self.group, h, p, dtype=acc_t, device=dev),
             "dvp": torch.empty(p, d, dtype=acc_t, device=dev),
             "c": torch.empty(h, p, dtype=acc_t, device=dev),  # RMSNorm coupling per head
             "has_suffix": False,
@@ -223,15 +222,15 @@ class FullRouting:
         """Value path and dl of all sites >= g_end against the sources [g0, g_end), one read of each."""
         bw, d = self._bwd, self.shape[2]
         g_p = pow2(self.group)
-        k_a, k_b = split_width(self.k)
-        # Measured on an H200 (2026-12-02): best at >= 2 tokens and about 32 tile elements per thread
-        # (1B: 2 tokens x 8 x 256 on 4 warps ran 6.6 ms against 14.8 ms for 1 token on 2 warps).
-        block_t = max(2, tile_tokens(g_p * (k_a + k_b), self.tile))
-        warps = min(8, max(1, g_p * (k_a + k_b) * block_t // 1024))
+        # Tokens and warps from the H200 measurement of 2026-12-02 (benchmarks/results/routing_v2_*): at least
+        # 2 tokens per program, 4 warps once the tile passes 2048 elements (1B: 2 tokens x 8 x 256 on 4 warps
+        # ran 6.6 ms against 14.8 ms for 1 token on 2 warps; 100M/350M were best at 4/2 tokens on 2 warps).
+        block_t = max(2, tile_tokens(g_p * self.k_p, self.tile))
+        warps = 2 if g_p * self.k_p * block_t <= 2048 else 4
         kern._suffix_bwd_kernel[(triton.cdiv(self.p, block_t), self.heads)](
-            self.rows, self.lse, bw["S"], bw["dout"], self.z, bw["dl"], bw["part_dv"], bw["part_c"],
+            self.rows, self.lse, bw["S"], bw["dout"], self.z, bw["dl"], bw["part_dv"],
             g0, g_end - g0, g_end, self.n_sites, self.n_sites, self.p, d, self.heads, self.k,
-            G_P=g_p, BLOCK_T=block_t, K_A=k_a, K_B=k_b, ACC=self.acc_tl, num_warps=warps,
+            G_P=g_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, num_warps=warps,
         )
 
     def _column(self, site: int, g0: int, g_end: int, dout_BTD: Tensor) -> Tensor:
@@ -240,9 +239,10 @@ class FullRouting:
         block_t = tile_tokens(self.k_p, self.tile)
         kern._column_bwd_kernel[(triton.cdiv(p, block_t), self.heads)](
             self.rows, self.lse, bw["S"], bw["dout"], dout_BTD.to(self.dtype).contiguous(), self.outputs[site],
-            self.z, bw["dl"], bw["part_dv"], bw["part_c"], bw["dvp"], bw["c"],
+            self.z, bw["dl"], bw["part_dv"], bw["dvp"], bw["c"],
             site, g_end, site - g0, n, p, d, self.heads, self.k,
-            HAS_SUFFIX=bw["has_suffix"], BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, num_warps=self.num_warps,
+            HAS_SUFFIX=bw["has_suffix"], BLOCK_T=block_t, K_P=self.k_p, S_P=dot_dim(n - g_end), ACC=self.acc_tl,
+            num_warps=self.num_warps,
         )
         dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
         kern._keypath_kernel[(triton.cdiv(p, DOT_TOKENS), self.heads)](
@@ -264,12 +264,6 @@ class FullRouting:
             BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n), ACC=self.acc_tl, PREC=self.prec, num_warps=4,
         )
         bw["a"] = a_part.sum(0)
-
-
-def split_width(k: int) -> tuple[int, int]:
-    """A head width as two power-of-two slices k_a + k_b >= k with k_a <= k (160 -> 128 + 32; 128 -> 128 + 0)."""
-    k_a = 1 << (k.bit_length() - 1)
-    return k_a, (pow2(k - k_a) if k > k_a else 0)
 
 
 def dot_dim(n: int) -> int:

@@ -61,8 +61,13 @@ def pow2(n: int) -> int:
 
 
 def tile_tokens(row_elements: int, tile_elements: int = TILE_ELEMENTS, limit: int = 64) -> int:
-    """Tokens per program so that tokens x padded row width is about tile_elements."""
-    return max(1, min(limit, tile_elements // row_elements))
+    """Tokens per program (a power of two, as tl.arange needs) so that tokens x row width is about
+    tile_elements."""
+    return pow2_floor(max(1, min(limit, tile_elements // row_elements)))
+
+
+def pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
 
 
 def _launch_forward(rows_NPD: Tensor, w_1D: Tensor, heads: int, eps: float):
