@@ -153,7 +153,8 @@ def main(results: str, lr_arg: str | None = None) -> int:
                 "baseline of the same seed (tail-mean); tokens/s: the speed callback's last 20-step window (what "
                 "`compare` shows) / the median of its 20-step windows after step 20 without the three that hold a "
                 "validation pass; 'alone' = the `speed` runs (80 steps, one run on the GPU), 'GPU shared by k' = the "
-                "400-step run itself while k runs shared the GPU (not a speed measurement).", "",
+                "400-step run itself while k runs shared the GPU (k = 1: it ran alone; still one short window, with "
+                "the data preparation of its process on the CPU beside it).", "",
                 "| method | seeds | tail-mean per seed | mean tail-mean | paired delta (mean ± std) | deltas per seed "
                 "| tokens/s (last window / median) |",
                 "|---|---|---|---|---|---|---|"]
