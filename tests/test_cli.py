@@ -91,7 +91,7 @@ def test_fit_tracks_in_mlflow_and_resume_reproduces_losses(tmp_path, monkeypatch
     """8 uninterrupted steps == 4 steps + resume from the step-4 checkpoint (same losses, same data order);
     the MLflow store holds params, metrics, config, routing heatmaps and the checkpoint."""
     monkeypatch.chdir(tmp_path)
-    full_cli, full = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "8"))
+    full_cli, full = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "8", "--speed.every_n_steps", "2"))
     assert sorted(full) == list(range(1, 9))
     assert full[8] < full[1]
 
@@ -114,6 +114,9 @@ def test_fit_tracks_in_mlflow_and_resume_reproduces_losses(tmp_path, monkeypatch
     assert run.data.params["lr"] == "0.003"
     assert {"train/loss", "val/loss", "val/ppl", "val/tail_mean", "train/grad_norm", "train/lr"} <= set(run.data.metrics)
     assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 8
+    # throughput: one value per 2-step window after the 2 warm-up steps, none re-emitted
+    speed = client.get_metric_history(run.info.run_id, "train/tokens_per_s")
+    assert sorted(m.step for m in speed) == [4, 6, 8] and all(m.value > 0 for m in speed)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "routing", "checkpoints"} <= artifacts
     heatmaps = [a.path for a in client.list_artifacts(run.info.run_id, "routing")]
