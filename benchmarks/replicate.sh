@@ -15,8 +15,8 @@
 #
 # Stores: MLflow allows one writer per sqlite store, so every group of runs that runs beside others gets its
 # own store, $RESULTS/mlflow-NAME.db, and `compare` writes $RESULTS/NAME.txt/.json for each. `compare` pairs
-# runs of the same seed and lr inside one store; benchmarks/plot_heads.py pairs across all stores by the
-# same rule.
+# runs of the same seed and lr (across stores too when given several --tracking-uri); benchmarks/plot_heads.py
+# pairs across all stores by the same rule.
 #
 # Environment:
 #   RESULTS   default benchmarks/results/replication     WORK    scratch (data cache), default /tmp/mhar_replication

@@ -93,16 +93,24 @@ def sweep_main(argv: list[str]) -> int:
 
 
 # ----------------------------------------------------------------------------- compare
-def collect_runs(sweep_id: str, tracking_uri: str, experiment: str) -> list[dict[str, Any]]:
+def collect_runs(sweep_id: str, tracking_uris: str | list[str], experiment: str) -> list[dict[str, Any]]:
+    """The sweep's runs from one or several MLflow stores (runs made side by side need one sqlite store each)."""
+    uris = [tracking_uris] if isinstance(tracking_uris, str) else list(tracking_uris)
+    rows = [row for uri in uris for row in _store_runs(sweep_id, uri, experiment)]
+    if not rows:
+        raise SystemExit(f"error: no runs tagged sweep_id={sweep_id!r} in experiment {experiment!r} at "
+                         f"{', '.join(uris)}")
+    return rows
+
+
+def _store_runs(sweep_id: str, tracking_uri: str, experiment: str) -> list[dict[str, Any]]:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        raise SystemExit(f"error: no MLflow experiment {experiment!r} at {tracking_uri}")
+        return []
     runs = client.search_runs([exp.experiment_id], filter_string=f"tags.sweep_id = '{sweep_id}'", max_results=5000)
-    if not runs:
-        raise SystemExit(f"error: no runs tagged sweep_id={sweep_id!r} in experiment {experiment!r} at {tracking_uri}")
     rows = []
     for run in runs:
         tags, metrics = run.data.tags, run.data.metrics
@@ -122,7 +130,16 @@ def collect_runs(sweep_id: str, tracking_uri: str, experiment: str) -> list[dict
 
 def add_paired_deltas(rows: list[dict[str, Any]], metric: str) -> None:
     # Paired means same seed AND same learning rate; a run without such a baseline gets no delta (NaN).
-    baselines = {(r["seed"], r["lr"]): r for r in rows if r["method"].startswith(BASELINE_METHOD)}
+    baselines: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        if not r["method"].startswith(BASELINE_METHOD):
+            continue
+        key = (r["seed"], r["lr"])
+        if key in baselines:  # pairing against an arbitrary one of them would be silently wrong
+            raise SystemExit(f"error: two baseline runs at seed {key[0]} and lr {key[1]}: "
+                             f"{baselines[key].get('name')!r} and {r.get('name')!r}; give the sweep one baseline "
+                             "per (seed, lr), or delete one of them")
+        baselines[key] = r
     for row in rows:
         base = baselines.get((row["seed"], row["lr"]))
         row["delta"] = row[metric] - base[metric] if base else math.nan
@@ -160,12 +177,13 @@ def format_table(rows: list[dict[str, Any]], summary: list[dict[str, Any]], metr
 def compare_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhar_lit compare")
     parser.add_argument("--sweep", required=True, help="sweep id printed by `sweep`")
-    parser.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI)
+    parser.add_argument("--tracking-uri", action="append", default=None,
+                        help=f"MLflow store; repeat to pool several (default {DEFAULT_TRACKING_URI})")
     parser.add_argument("--experiment", default=DEFAULT_EXPERIMENT)
     parser.add_argument("--metric", default="tail_mean", choices=("tail_mean", "final"))
     parser.add_argument("--json", default=None, help="also write rows and summary to this JSON file")
     args = parser.parse_args(argv)
-    rows = collect_runs(args.sweep, args.tracking_uri, args.experiment)
+    rows = collect_runs(args.sweep, args.tracking_uri or [DEFAULT_TRACKING_URI], args.experiment)
     add_paired_deltas(rows, args.metric)
     summary = summarize(rows, args.metric)
     print(format_table(rows, summary, args.metric))
