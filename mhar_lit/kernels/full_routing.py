@@ -144,9 +144,10 @@ class FullRouting:
         into the pair table (a tensor-core product per head: [P, K] @ [K, N - site])."""
         p, d, n = self.p, self.shape[2], self.n_sites
         d_p = pow2(d)
-        kern._append_kernel[(triton.cdiv(p, tile_tokens(d_p, self.tile)),)](
+        block_t = tile_tokens(d_p, self.tile)
+        kern._append_kernel[(triton.cdiv(p, block_t),)](
             source_BTD.contiguous(), self.rows, self.r, site, p, d, self.eps,
-            BLOCK_T=tile_tokens(d_p, self.tile), D_P=d_p, ACC=self.acc_tl, num_warps=self.num_warps,
+            BLOCK_T=block_t, D_P=d_p, ACC=self.acc_tl, num_warps=self.num_warps,
         )
         kern._logits_kernel[(triton.cdiv(p, DOT_TOKENS), self.heads)](
             self.rows, self.r, self.w_SD, self.z, site, n, p, d, self.heads, self.k,
@@ -188,18 +189,15 @@ class FullRouting:
                                "pass did not reach the final routing site")
         if self._bwd is None:
             self._bwd = self._backward_buffers()
-        bw = self._bwd
         g0 = site - site % self.group
         g_end = min(g0 + self.group, self.n_sites)
-        if site == g_end - 1:
-            bw["has_suffix"] = g_end < self.n_sites
-            if bw["has_suffix"]:
-                self._suffix(g0, g_end)
+        if site == g_end - 1 and g_end < self.n_sites:
+            self._suffix(g0, g_end)
         dsrc_PD = self._column(site, g0, g_end, dout_BTD)
         self.next_backward -= 1
         if site > 0:
             return dsrc_PD.view(self.shape), None, None
-        a_SD = bw["a"]
+        a_SD = self._query_grad()  # every pair's dl exists now
         dq = (a_SD * self.g_SD).to(self.param_dtypes[0])
         dg = (a_SD * self.q_SD).to(self.param_dtypes[1])
         self._bwd = None  # forward state stays (freed with the graph) so that a retained graph can rerun
@@ -215,7 +213,6 @@ class FullRouting:
             "part_dv": torch.empty(self.group, p, d, dtype=acc_t, device=dev),
             "dvp": torch.empty(p, d, dtype=acc_t, device=dev),
             "c": torch.empty(h, p, dtype=acc_t, device=dev),  # RMSNorm coupling per head
-            "has_suffix": False,
         }
 
     def _suffix(self, g0: int, g_end: int) -> None:
@@ -241,7 +238,7 @@ class FullRouting:
             self.rows, self.lse, bw["S"], bw["dout"], dout_BTD.to(self.dtype).contiguous(), self.outputs[site],
             self.z, bw["dl"], bw["part_dv"], bw["dvp"], bw["c"],
             site, g_end, site - g0, n, p, d, self.heads, self.k,
-            HAS_SUFFIX=bw["has_suffix"], BLOCK_T=block_t, K_P=self.k_p, S_P=dot_dim(n - g_end), ACC=self.acc_tl,
+            HAS_SUFFIX=g_end < n, BLOCK_T=block_t, K_P=self.k_p, S_P=dot_dim(n - g_end), ACC=self.acc_tl,
             num_warps=self.num_warps,
         )
         dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
@@ -250,11 +247,9 @@ class FullRouting:
             BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n - site), H_P=self.h_p, ACC=self.acc_tl,
             PREC=self.prec, num_warps=4,
         )
-        if site == 0:
-            self._query_grad()
         return dsrc_PD
 
-    def _query_grad(self) -> None:
+    def _query_grad(self) -> Tensor:
         """A [N, D] from every pair's dl and kr (one launch once all dl exist); dq = A g, dg = A q."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
         blocks = triton.cdiv(p, DOT_TOKENS)
@@ -263,7 +258,7 @@ class FullRouting:
             self.rows, self.r, bw["dl"], a_part, n, p, d, self.heads, self.k,
             BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n), ACC=self.acc_tl, PREC=self.prec, num_warps=4,
         )
-        bw["a"] = a_part.sum(0)
+        return a_part.sum(0)
 
 
 def dot_dim(n: int) -> int:
