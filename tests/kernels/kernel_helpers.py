@@ -29,15 +29,18 @@ def leaf(*xs):
     return [x.detach().clone().requires_grad_() for x in xs]
 
 
-def full_mode_loss(routing_fn, emb, q_SD, g_SD, mats, dout):
+def full_mode_loss(routing_fn, emb, q_SD, g_SD, mats, dout, outputs=None):
     """A full-mode stack without the model: site s routes S_0..S_s, S_{s+1} = tanh(x_s @ M_s); the loss
-    touches every site output (through the sources) and the final one through dout."""
+    touches every site output (through the sources) and the final one through dout. The final site's output
+    is appended to `outputs` when given."""
     sources = [emb]
     x = None
     for s in range(q_SD.shape[0]):
         x = routing_fn(s, sources)
         if s < q_SD.shape[0] - 1:
             sources.append(torch.tanh(x @ mats[s]))
+    if outputs is not None:
+        outputs.append(x.detach())
     extra = sum((y.to(torch.float64) ** 2).sum() for y in sources[1:]) * 0.01
     return (x.to(torch.float64) * dout).sum() + extra
 

@@ -1,0 +1,77 @@
+"""Where a training step's time goes: one step (forward, backward, clip, fused AdamW) per method under
+torch.profiler, against its CUDA-event wall time. Prints, per (size, method): wall ms, GPU busy ms (sum of
+kernel times; one stream, so they do not overlap), the idle gap (wall - busy: host-bound stretches),
+the number of kernel launches, and the top kernels by time.
+
+    python benchmarks/profile_train_step.py [--sizes 1B] [--methods baseline mhar] [--top 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from train_step import MICROBATCH, build, loss_fn  # noqa: E402
+
+
+def one_step(model, opt, method, batch):
+    loss = loss_fn(model, method, batch)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def profile(size: str, method: str, top: int) -> None:
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = build(size, method, "triton").to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    b, t = MICROBATCH[size]
+    batch = torch.randint(0, model.config.vocab_size, (b, t + 1), device="cuda")
+    for _ in range(3):
+        one_step(model, opt, method, batch)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    one_step(model, opt, method, batch)
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        one_step(model, opt, method, batch)
+        torch.cuda.synchronize()
+    totals, counts = collections.Counter(), collections.Counter()
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            totals[evt.name[:70]] += evt.device_time_total / 1e3
+            counts[evt.name[:70]] += 1
+    busy = sum(totals.values())
+    routing = sum(v for k, v in totals.items() if k.startswith("_") and "kernel" in k)
+    print(f"\n{size} {method}: wall {wall:.1f} ms, GPU busy {busy:.1f} ms, idle {wall - busy:.1f} ms, "
+          f"{sum(counts.values())} kernels, routing kernels {routing:.1f} ms")
+    for name, ms in totals.most_common(top):
+        print(f"  {ms:8.2f} ms x {counts[name]:4d}  {name}")
+    del model, opt
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", nargs="+", default=["1B"])
+    parser.add_argument("--methods", nargs="+", default=["baseline", "mhar"])
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    for size in args.sizes:
+        for method in args.methods:
+            profile(size, method, args.top)
+
+
+if __name__ == "__main__":
+    main()
