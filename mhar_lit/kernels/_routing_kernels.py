@@ -7,12 +7,11 @@ Per-call path (`_site_fwd_kernel`, `_site_bwd_kernel`; routing_triton.py, used b
 full-row programs holding a [BLOCK_T, H_P, K_P] tile take each row's RMS statistic themselves and own the
 cross-head coupling term of the RMSNorm backward.
 
-Full-mode path (full_routing.py): `_site_fwd_full_kernel` (one launch per site: the new source's
-statistic, its entry into the shared buffer, its logits against every later site into the pair table
-z [pairs, H, P] on tensor cores, and the site's merge) and `_prefix_fwd_kernel` (older rows mixed into a
-chunk of sites, logits from z); backward: `_suffix_bwd_kernel` (one read of a group's rows and of every
-later dout), `_column_bwd_kernel` (in-group pairs), `_keypath_kernel` and `_query_grad_kernel`
-(tensor-core contractions over sites and tokens).
+Full-mode path (full_routing.py): `_append_kernel` writes a source into the shared buffer with its
+statistic; `_logits_kernel` writes its logits against every later site into the pair table z [pairs, H, P]
+(tensor cores); `_prefix_fwd_kernel` and `_merge_fwd_kernel` mix rows with the logits from z; backward:
+`_suffix_bwd_kernel` (one read of a group's rows and of every later dout), `_column_bwd_kernel` (in-group
+pairs), `_keypath_kernel` and `_query_grad_kernel` (tensor-core contractions over sites and tokens).
 
 Math per (site s, source n, position, head h), with w = q_s * g_s folded in the compute dtype ACC:
     kr      = round_storage(v_n * r_n)                  the reference's key rounding, before g
@@ -122,6 +121,55 @@ def _pair_row(src, site, N):
 
 
 @triton.jit
+def _append_kernel(new_ptr, rows_ptr, r_ptr, row, P, D, eps,
+                   BLOCK_T: tl.constexpr, D_P: tl.constexpr, ACC: tl.constexpr):
+    """Full mode: the source of site `row` enters the shared buffer: rows[row] = new, r[row] = its inverse
+    RMS over the full width."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D_P)
+    mask_t = offs_t < P
+    mask = mask_t[:, None] & (offs_d[None, :] < D)
+    tile = offs_t[:, None].to(tl.int64) * D + offs_d[None, :]
+    row_off = (tl.full([], 0, tl.int64) + row) * P * D
+    v_raw = tl.load(new_ptr + tile, mask=mask, other=0.0)
+    tl.store(rows_ptr + row_off + tile, v_raw, mask=mask)
+    v = v_raw.to(ACC)
+    r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+    tl.store(r_ptr + row * P + offs_t, r, mask=mask_t)
+
+
+@triton.jit
+def _logits_kernel(rows_ptr, r_ptr, w_ptr, z_ptr, src, N, P, D, H, K,
+                   BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
+                   PREC: tl.constexpr):
+    """Logits of source `src` against every site s >= src, one head: z[(src, s), h, t] = <kr_[h], w_s,[h]>
+    with kr = round_storage(v r), as a tensor-core product [BLOCK_T, K] @ [K, S] in K_B-wide slices
+    (PREC "tf32x3": fp32-accurate; "ieee" for fp64)."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_s = tl.arange(0, S_P)
+    offs_b = tl.arange(0, K_B)
+    mask_t = offs_t < P
+    mask_s = src + offs_s < N
+    row_off = (tl.full([], 0, tl.int64) + src) * P * D
+    store_ty = rows_ptr.dtype.element_ty
+    r = tl.load(r_ptr + src * P + offs_t, mask=mask_t, other=0.0).to(ACC)
+    z = tl.zeros([BLOCK_T, S_P], ACC)
+    for k0 in range(0, K, K_B):
+        mask_b = k0 + offs_b < K
+        col = h * K + k0 + offs_b
+        v = tl.load(rows_ptr + row_off + offs_t[:, None].to(tl.int64) * D + col[None, :],
+                    mask=mask_t[:, None] & mask_b[None, :], other=0.0).to(ACC)
+        kr = _to_storage(v * r[:, None], store_ty).to(ACC)
+        w = tl.load(w_ptr + (src + offs_s)[None, :] * D + col[:, None],
+                    mask=mask_b[:, None] & mask_s[None, :], other=0.0).to(ACC)  # [K_B, S_P]
+        z += tl.dot(kr, w, input_precision=PREC, out_dtype=ACC)
+    pair = _pair_row(src, src + offs_s, N)
+    tl.store(z_ptr + (pair[None, :] * H + h) * P + offs_t[:, None], z, mask=mask_t[:, None] & mask_s[None, :])
+
+
+@triton.jit
 def _prefix_fwd_kernel(
     rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr,
     n_rows, site_lo, n_sites, N, P, D, H, K,
@@ -168,74 +216,46 @@ def _prefix_fwd_kernel(
 
 
 @triton.jit
-def _site_fwd_full_kernel(
-    new_ptr, rows_ptr, r_ptr, w_ptr, z_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
-    site, row_lo, state_slot, N, P, D, H, K, eps,
-    HAS_INIT: tl.constexpr, BLOCK_T: tl.constexpr, D_B: tl.constexpr, K_B: tl.constexpr, K_P: tl.constexpr,
-    S_P: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+def _merge_fwd_kernel(
+    rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
+    row_lo, site, state_slot, N, P, D, H, K,
+    HAS_INIT: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Full mode, the whole forward of one site for a token block and head, in one launch:
-    1. the new source's inverse RMS r over the full width (every head takes it; head 0 stores it);
-    2. this head's slice of the source enters the shared buffer rows[site], and its logits against every
-       site s >= site go into the pair table z, as a tensor-core product kr [BLOCK_T, K] @ w [K, S] in
-       K_B-wide slices (PREC "tf32x3": fp32-accurate; "ieee" for fp64), kr = round_storage(v r);
-    3. the site's output: the prefix state (HAS_INIT) merged by log-sum-exp with the in-chunk rows
-       [row_lo, site), logits from z, and the new source itself; writes out (storage) and lse [P, H]."""
+    """Full mode, one site and head: the prefix state (HAS_INIT) merged with the in-chunk rows
+    [row_lo, site] by log-sum-exp, all logits from the pair table z. Writes out (storage) and lse [P, H]."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < P
-    tok = offs_t[:, None].to(tl.int64) * D
-    store_ty = rows_ptr.dtype.element_ty
-    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
-
-    offs_d = tl.arange(0, D_B)
-    sq = tl.zeros([BLOCK_T], ACC)
-    for d0 in range(0, D, D_B):
-        x = tl.load(new_ptr + tok + (d0 + offs_d)[None, :], mask=mask_t[:, None] & (d0 + offs_d < D)[None, :],
-                    other=0.0).to(ACC)
-        sq += tl.sum(x * x, axis=1)
-    r = 1.0 / tl.sqrt(sq / D + eps)
-    tl.store(r_ptr + site * P + offs_t, r, mask=mask_t & (h == 0))
-
-    offs_s = tl.arange(0, S_P)
-    offs_b = tl.arange(0, K_B)
-    mask_s = site + offs_s < N
-    z = tl.zeros([BLOCK_T, S_P], ACC)
-    for k0 in range(0, K, K_B):
-        col = h * K + k0 + offs_b
-        mask = mask_t[:, None] & (k0 + offs_b < K)[None, :]
-        raw = tl.load(new_ptr + tok + col[None, :], mask=mask, other=0.0)
-        tl.store(rows_ptr + site * row_stride + tok + col[None, :], raw, mask=mask)
-        kr = _to_storage(raw.to(ACC) * r[:, None], store_ty).to(ACC)
-        w = tl.load(w_ptr + (site + offs_s)[None, :] * D + col[:, None],
-                    mask=(k0 + offs_b < K)[:, None] & mask_s[None, :], other=0.0).to(ACC)  # [K_B, S_P]
-        z += tl.dot(kr, w, input_precision=PREC, out_dtype=ACC)
-    pair = _pair_row(site, site + offs_s, N)
-    tl.store(z_ptr + (pair[None, :] * H + h) * P + offs_t[:, None], z, mask=mask_t[:, None] & mask_s[None, :])
-    z_new = tl.sum(tl.where(offs_s[None, :] == 0, z, 0.0), axis=1)  # the new source's logit at this site
-
     offs_k = tl.arange(0, K_P)
+    mask_t = offs_t < P
+    mask_k = offs_k < K
     col = h * K + offs_k
-    tile_TK = tok + col[None, :]
-    mask_TK = mask_t[:, None] & (offs_k < K)[None, :]
+    tile_TK = offs_t[:, None].to(tl.int64) * D + col[None, :]
+    mask_TK = mask_t[:, None] & mask_k[None, :]
+    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
     z_T = h * P + offs_t
-    m = z_new
+
     if HAS_INIT:
         th = (state_slot * P + offs_t) * H + h
         m0 = tl.load(m_ptr + th, mask=mask_t, other=0.0).to(ACC)
-        m = tl.maximum(m, m0)
-    for n in range(row_lo, site):
-        m = tl.maximum(m, tl.load(z_ptr + _pair_row(n, site, N) * H * P + z_T, mask=mask_t, other=0.0))
-    p = tl.exp(z_new - m)
-    l = p
-    acc = p[:, None] * tl.load(new_ptr + tile_TK, mask=mask_TK, other=0.0).to(ACC)
+        l0 = tl.load(l_ptr + th, mask=mask_t, other=0.0).to(ACC)
+        acc0 = tl.load(acc_ptr + state_slot * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC)
+        m = m0
+    else:
+        m = tl.full([BLOCK_T], float("-inf"), ACC)
+    for n in range(row_lo, site + 1):
+        z = tl.load(z_ptr + _pair_row(n, site, N) * H * P + z_T, mask=mask_t, other=0.0)
+        m = tl.maximum(m, z)
     if HAS_INIT:
         scale = tl.exp(m0 - m)
-        l += tl.load(l_ptr + th, mask=mask_t, other=0.0).to(ACC) * scale
-        acc += tl.load(acc_ptr + state_slot * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC) * scale[:, None]
-    for n in range(row_lo, site):
-        p = tl.exp(tl.load(z_ptr + _pair_row(n, site, N) * H * P + z_T, mask=mask_t, other=0.0) - m)
+        l = l0 * scale
+        acc = acc0 * scale[:, None]
+    else:
+        l = tl.zeros([BLOCK_T], ACC)
+        acc = tl.zeros([BLOCK_T, K_P], ACC)
+    for n in range(row_lo, site + 1):
+        z = tl.load(z_ptr + _pair_row(n, site, N) * H * P + z_T, mask=mask_t, other=0.0)
+        p = tl.exp(z - m)
         l += p
         acc += p[:, None] * tl.load(rows_ptr + n * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC)
     out = acc / l[:, None]
@@ -416,7 +436,7 @@ def _keypath_kernel(rows_ptr, r_ptr, w_ptr, dl_ptr, dvp_ptr, c_ptr, dsrc_ptr, sr
                     ACC: tl.constexpr, PREC: tl.constexpr):
     """Source `src`'s gradient, one head: the key path of all its pairs through the RMSNorm,
     dsrc = dvp + r * (dl @ w) - r^2/D * c * v, with dl [BLOCK_T, sites >= src] @ w [sites, K] a
-    tensor-core product (PREC as in _site_fwd_full_kernel), in K_B-wide slices."""
+    tensor-core product (PREC as in _logits_kernel), in K_B-wide slices."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)

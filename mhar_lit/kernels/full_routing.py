@@ -12,8 +12,7 @@ fp32-accurate); the O(L^2) passes over the rows are left with one or two FMAs pe
 Forward. Sources go into one shared buffer rows[n, P, D] (storage dtype) with their RMS statistic r[n, P].
 - At the first site s0 of a chunk of C sites, one prefix pass reads every older row [0, s0) once and mixes
   it into all C sites (the max is known from z, so there is no rescaling): one row read serves C sites.
-- Each site then runs one kernel: the new source's statistic, its entry into the buffer, its logits against
-  every later site, and the merge of the prefix state with the in-chunk rows [s0, s] by log-sum-exp.
+- Each site then merges in only the in-chunk rows [s0, s] by log-sum-exp; it writes its output and lse.
 Backward. Sources are grouped into groups of G. When the backward reaches the last site of a group, one
 suffix pass reads the group's rows once and every later site's dout once: per pair one K-reduction
 (<dout, v>) and one FMA (value path); it writes dl and the group's partial gradients. Each site's backward
@@ -121,24 +120,40 @@ class FullRouting:
         if source_BTD.shape != self.shape or source_BTD.dtype != self.dtype or source_BTD.device != self.device:
             raise ValueError(f"site {site}: source {tuple(source_BTD.shape)} {source_BTD.dtype} on "
                              f"{source_BTD.device} does not match {self.shape} {self.dtype} on {self.device}")
+        self._append(site, source_BTD)
         s0 = site - site % self.chunk
         if site == s0 and s0 > 0:
             self._prefix(s0)
-        p, d, n = self.p, self.shape[2], self.n_sites
-        out_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
+        d = self.shape[2]
+        out_PD = torch.empty(self.p, d, dtype=self.dtype, device=self.device)
         m, l, acc = self._chunk_state if s0 > 0 else (self.lse, self.lse, self.lse)
-        block_t = max(16, tile_tokens(self.k_p, self.tile))  # >= 16: the logits are a tensor-core product
-        kern._site_fwd_full_kernel[(triton.cdiv(p, block_t), self.heads)](
-            source_BTD.contiguous(), self.rows, self.r, self.w_SD, self.z, m, l, acc, out_PD, self.lse,
-            site, s0, site - s0, n, p, d, self.heads, self.k, self.eps,
-            HAS_INIT=s0 > 0, BLOCK_T=block_t, D_B=min(pow2(d), 256), K_B=self.k_b, K_P=self.k_p,
-            S_P=dot_dim(n - site), ACC=self.acc_tl, PREC=self.prec, num_warps=self.num_warps,
+        block_t = tile_tokens(self.k_p, self.tile)
+        kern._merge_fwd_kernel[(triton.cdiv(self.p, block_t), self.heads)](
+            self.rows, self.z, m, l, acc, out_PD, self.lse,
+            s0, site, site - s0, self.n_sites, self.p, d, self.heads, self.k,
+            HAS_INIT=s0 > 0, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, num_warps=self.num_warps,
         )
         self.outputs[site] = out_PD
         self.next_site += 1
         if self.next_site == self.n_sites:
             self._chunk_state = None
         return out_PD.view(self.shape)
+
+    def _append(self, site: int, source_BTD: Tensor) -> None:
+        """Write source `site` into the buffer with its statistic, then its logits against every site >= site
+        into the pair table (a tensor-core product per head: [P, K] @ [K, N - site])."""
+        p, d, n = self.p, self.shape[2], self.n_sites
+        d_p = pow2(d)
+        block_t = tile_tokens(d_p, self.tile)
+        kern._append_kernel[(triton.cdiv(p, block_t),)](
+            source_BTD.contiguous(), self.rows, self.r, site, p, d, self.eps,
+            BLOCK_T=block_t, D_P=d_p, ACC=self.acc_tl, num_warps=self.num_warps,
+        )
+        kern._logits_kernel[(triton.cdiv(p, DOT_TOKENS), self.heads)](
+            self.rows, self.r, self.w_SD, self.z, site, n, p, d, self.heads, self.k,
+            BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n - site), ACC=self.acc_tl, PREC=self.prec,
+            num_warps=4,
+        )
 
     def _prefix(self, s0: int) -> None:
         """Mix rows [0, s0) into the chunk's sites once; leave (m, l, acc) per site."""
