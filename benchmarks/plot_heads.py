@@ -62,14 +62,23 @@ def speed_history(db: str) -> dict[str, float]:
     con = sqlite3.connect(db)
     rows = con.execute("select run_uuid, step, value from metrics where key = 'train/tokens_per_s'").fetchall()
     con.close()
-    per_run: dict[str, list[float]] = {}
+    steps: dict[str, list[tuple[int, float]]] = {}
     for run, step, value in rows:
-        s = step + 1  # MLflow step = global_step - 1 at logging time
-        # Lightning re-emits the callback's last value at every log_every_n_steps (10) flush, so each window
-        # shows up twice (steps 20 and 30, 40 and 50, ...): keep the steps where the callback measured (every 20).
-        if s % SPEED_EVERY or s <= SPEED_EVERY or s % 100 == SPEED_EVERY:
-            continue
-        per_run.setdefault(run, []).append(value)
+        steps.setdefault(run, []).append((step, value))
+    per_run: dict[str, list[float]] = {}
+    for run, points in steps.items():
+        # Stores written before the SpeedMonitor fix of 2026-12-02 log at MLflow step = global_step - 1, and
+        # Lightning re-emitted the callback's last value at every log_every_n_steps (10) flush, so each window
+        # shows up twice (steps 19 and 29, 39 and 49, ...); later stores log each window once, at its
+        # global step (20, 40, ...). Keep the steps where the callback measured (every 20).
+        offset = 0 if all(step % SPEED_EVERY == 0 for step, _ in points) else 1
+        for step, value in points:
+            s = step + offset
+            # skip the warm-up window and the windows right after a validation pass (121-140 ... with the
+            # checkpoint save, which the speed window still counts)
+            if s % SPEED_EVERY or s <= SPEED_EVERY or s % 100 == SPEED_EVERY:
+                continue
+            per_run.setdefault(run, []).append(value)
     return {run: statistics.median(v) for run, v in per_run.items() if v}
 
 
@@ -111,6 +120,8 @@ def main(results: str, lr_arg: str | None = None) -> int:
         if not isinstance(data, dict) or "rows" not in data:
             continue
         store = os.path.basename(path)[:-5]
+        if store == "pooled":  # compare over all stores at once: the same runs again
+            continue
         for r in data["rows"]:
             r["store"] = store
             (speed_rows if store == "speed" else rows).append(r)
@@ -180,21 +191,21 @@ def main(results: str, lr_arg: str | None = None) -> int:
             out += [f"Baseline tail-mean across seeds: {' / '.join(fmt(x) for x in b)} (spread {fmt(max(b) - min(b))}).", ""]
 
     # ------------------------------------------------------------------ H sweep
-    points = []  # (H, seed, tail, delta, tokens_s_last, tokens_s_median, store)
+    points = []  # (H, seed, tail, delta, tokens_s_last, tokens_s_median, store, runs sharing the GPU)
     for r in main_rows:
         h = heads_of(r["method"])
         if h is not None:
             points.append((h, r["seed"], r["tail_mean"], r["pdelta"], r["tokens_per_s"], speed.get(r["run_id"], math.nan),
-                           r["store"]))
+                           r["store"], shared.get(r["name"], "?")))
     if points:
         out += ["## H sweep (MHAR, FullAttnRes)", "",
-                "tokens/s here are from the 400-step runs, which shared the GPU with other runs (see the methods "
-                "table): not a speed measurement.", "",
-                "| H | seed | tail-mean | delta vs baseline (same seed) | tokens/s shared GPU (last / median) | store |",
-                "|---|---|---|---|---|---|"]
+                "tokens/s: the 400-step run itself (last window / median, as in the methods table); 'shared by k': "
+                "k runs shared the GPU (k = 1: it ran alone, a speed measurement; k > 1: not one).", "",
+                "| H | seed | tail-mean | delta vs baseline (same seed) | tokens/s (last / median) | GPU shared by | store |",
+                "|---|---|---|---|---|---|---|"]
         for p in sorted(points, key=lambda p: (p[0], p[1])):
             cell = speed_cell({"seed": p[1], "tokens_per_s": p[4], "run_id": None}, {None: p[5]}).split(": ", 1)[1]
-            out.append(f"| {p[0]} | {p[1]} | {fmt(p[2])} | {fmt(p[3], '+.4f')} | {cell} | {p[6]} |")
+            out.append(f"| {p[0]} | {p[1]} | {fmt(p[2])} | {fmt(p[3], '+.4f')} | {cell} | {p[7]} | {p[6]} |")
         out.append("")
         out += ["| H | seeds | mean delta vs baseline | std |", "|---|---|---|---|"]
         for h in sorted({p[0] for p in points}):
