@@ -27,7 +27,8 @@ class SpeedMonitor(L.Callback):
     """Logs train/tokens_per_s, train/mfu (against `peak_tflops`, e.g. 989 for H100/H200 dense bf16) and
     train/peak_mem_gb every `every_n_steps` optimizer steps; the first `skip_steps` steps are warm-up.
 
-    The time of validation passes inside a window is left out (a window that held one used to read ~30% low),
+    The pause for a validation pass inside a window is left out, from validation start until training resumes
+    (so a checkpoint saved at validation end is left out too; a window that held one used to read ~30% low),
     and the values go straight to the loggers once per window: logged through `LightningModule.log`, the last
     value was re-emitted at every `log_every_n_steps` flush, so the history held each window twice."""
 
@@ -69,14 +70,16 @@ class SpeedMonitor(L.Callback):
         self._t0, self._tokens = time.perf_counter(), 0
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        if self._t0 is not None and not trainer.sanity_checking:
+        if self._t0 is not None and self._val_t0 is None and not trainer.sanity_checking:
             self._sync(pl_module)
             self._val_t0 = time.perf_counter()
 
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # The pause ends when training resumes, not at on_validation_end: callbacks that run after this one at
+        # validation end (ModelCheckpoint, which Lightning moves last, saves there) belong to the pause too.
         if self._val_t0 is not None and self._t0 is not None:
             self._sync(pl_module)
-            self._t0 += time.perf_counter() - self._val_t0  # the window's clock skips the validation pass
+            self._t0 += time.perf_counter() - self._val_t0  # the window's clock skips the pause
         self._val_t0 = None
 
 
