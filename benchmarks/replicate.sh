@@ -136,6 +136,7 @@ EOF
     est() { case $1 in hc) echo 30 ;; *) echo 25 ;; esac; }
     runs speed baseline:1 mhar:1 single-head:1 hc:1; compare_store speed ;;
   compare)
+    shopt -s nullglob  # no store yet (every run skipped): nothing to compare, not a store named "*"
     for db in "$RESULTS"/mlflow-*.db; do
       store=$(basename "$db" .db); store=${store#mlflow-}
       if [[ $store == speed ]]; then SWEEP=rep-speed compare_store "$store" & else compare_store "$store" & fi
