@@ -74,8 +74,8 @@ def speed_history(db: str) -> dict[str, float]:
         offset = 0 if all(step % SPEED_EVERY == 0 for step, _ in points) else 1
         for step, value in points:
             s = step + offset
-            # skip the warm-up window and the windows right after a validation pass (121-140 ... with the
-            # checkpoint save, which the speed window still counts)
+            # skip the warm-up window and the windows right after a validation pass (121-140, ...): stores
+            # written before the SpeedMonitor's second fix count the checkpoint saved at validation end there
             if s % SPEED_EVERY or s <= SPEED_EVERY or s % 100 == SPEED_EVERY:
                 continue
             per_run.setdefault(run, []).append(value)

@@ -17,35 +17,24 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from train_step import MICROBATCH, build, loss_fn  # noqa: E402
-
-
-def one_step(model, opt, method, batch):
-    loss = loss_fn(model, method, batch)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+from train_step import MICROBATCH, setup, train_step  # noqa: E402
 
 
 def profile(size: str, method: str, top: int) -> None:
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = build(size, method, "triton").to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    model, opt = setup(size, method, "triton")
     b, t = MICROBATCH[size]
     batch = torch.randint(0, model.config.vocab_size, (b, t + 1), device="cuda")
     for _ in range(3):
-        one_step(model, opt, method, batch)
+        train_step(model, opt, method, batch)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    one_step(model, opt, method, batch)
+    train_step(model, opt, method, batch)
     end.record()
     torch.cuda.synchronize()
     wall = start.elapsed_time(end)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        one_step(model, opt, method, batch)
+        train_step(model, opt, method, batch)
         torch.cuda.synchronize()
     totals, counts = collections.Counter(), collections.Counter()
     for evt in prof.events():

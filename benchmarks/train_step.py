@@ -63,11 +63,27 @@ def loss_fn(model, method: str, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def time_method(size: str, method: str, steps: int, warmup: int, backend: str) -> dict:
+def setup(size: str, method: str, backend: str):
+    """The bf16 model on the GPU (seed 0) and its fused AdamW."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = build(size, method, backend).to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    return model, opt
+
+
+def train_step(model, opt, method: str, batch: torch.Tensor) -> torch.Tensor:
+    """One full step: forward, backward, clip, optimizer step; returns the loss."""
+    loss = loss_fn(model, method, batch)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def time_method(size: str, method: str, steps: int, warmup: int, backend: str) -> dict:
+    model, opt = setup(size, method, backend)
     b, t = MICROBATCH[size]
     vocab = model.config.vocab_size
     batches = [torch.randint(0, vocab, (b, t + 1), device="cuda") for _ in range(4)]
@@ -76,11 +92,7 @@ def time_method(size: str, method: str, steps: int, warmup: int, backend: str) -
     for step in range(warmup + steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        loss = loss_fn(model, method, batches[step % len(batches)])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, opt, method, batches[step % len(batches)])
         end.record()
         torch.cuda.synchronize()
         if step >= warmup:

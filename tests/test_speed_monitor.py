@@ -33,17 +33,17 @@ class _CaptureLogger(Logger):
 
 
 class _Tiny(L.LightningModule):
-    """Token batches [B, T+1] as the callback expects; a slow validation pass."""
-
-    def training_step(self, batch, batch_idx):
-        loss = self.lin(batch[:, :-1].float()).pow(2).mean()
-        self.log("train/loss", loss)
-        return loss
+    """Token batches [B, T+1] as the callback expects; optionally a slow validation pass."""
 
     def __init__(self, slow_validation=True):
         super().__init__()
         self.lin = torch.nn.Linear(8, 1)
         self.slow_validation = slow_validation
+
+    def training_step(self, batch, batch_idx):
+        loss = self.lin(batch[:, :-1].float()).pow(2).mean()
+        self.log("train/loss", loss)
+        return loss
 
     def validation_step(self, batch, batch_idx):
         if self.slow_validation:
@@ -70,10 +70,11 @@ def test_one_value_per_window_and_validation_time_excluded(slow):
                         callbacks=[SpeedMonitor(every_n_steps=4, skip_steps=1)]
                         + ([_SlowSaveAtValidationEnd()] if slow == "save_at_validation_end" else []))
     loader = lambda x: torch.utils.data.DataLoader(x, batch_size=2)  # noqa: E731
-    trainer.fit(_Tiny(slow_validation=slow == "validation"), train_dataloaders=loader(data), val_dataloaders=loader(data[:2]))
+    trainer.fit(_Tiny(slow_validation=slow == "validation"), train_dataloaders=loader(data),
+                val_dataloaders=loader(data[:2]))
     speed = [(step, v) for step, k, v in logger.rows if k == "train/tokens_per_s"]
     assert [step for step, _ in speed] == [4, 8, 12], speed  # once per window, never re-emitted
-    # the window of steps 5-8 holds the validation after step 6: with its (or the save's) 0.5 s counted, 4 steps x 16 tokens
-    # could not pass 128 tokens/s; CPU steps of this model take milliseconds, so a correct window is far above
+    # the window of steps 5-8 holds the validation after step 6: with its (or the save's) 0.5 s counted,
+    # 4 steps x 16 tokens could not pass 128 tokens/s; CPU steps of this model take milliseconds, so a correct window is far above
     tokens_per_window = 4 * 2 * 8
     assert min(v for _, v in speed) > 4 * tokens_per_window / VAL_SLEEP_S, speed

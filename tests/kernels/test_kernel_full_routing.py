@@ -39,7 +39,7 @@ def _problem(n_sites, b, t, d, gen):
 NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
 
 
-def _loss_and_grads(kind, emb, q, g, mats, dout, heads, dtype, chunk=3, group=2):
+def _output_and_grads(kind, emb, q, g, mats, dout, heads, dtype, chunk=3, group=2):
     """(final output, d_embedding, d_query, d_norm_weight) of the full-mode stack."""
     e, qq, gg = leaf(emb.to(dtype), q.to(dtype), g.to(dtype))
     mats = [m.to(dtype) for m in mats]
@@ -66,9 +66,9 @@ def _loss_and_grads(kind, emb, q, g, mats, dout, heads, dtype, chunk=3, group=2)
 def test_fp32_matches_float64_reference(n_sites, heads, d, chunk, group):
     gen = fresh_generator()
     problem = _problem(n_sites, 2, 3, d, gen)
-    ref = _loss_and_grads("torch", *problem, heads, torch.float64)
-    got = _loss_and_grads("triton", *problem, heads, torch.float32, chunk, group)
-    ref32 = _loss_and_grads("torch", *problem, heads, torch.float32)
+    ref = _output_and_grads("torch", *problem, heads, torch.float64)
+    got = _output_and_grads("triton", *problem, heads, torch.float32, chunk, group)
+    ref32 = _output_and_grads("torch", *problem, heads, torch.float32)
     for name, a, r, r32 in zip(NAMES, got, ref, ref32):
         # 1e-5; a rare ill-conditioned draw (the chain amplifies fp32 rounding) may exceed it only as far as
         # the fp32 PyTorch reference itself does on the same draw
@@ -79,16 +79,16 @@ def test_fp32_matches_float64_reference(n_sites, heads, d, chunk, group):
 def test_chunked_equals_unchunked_and_per_call_path():
     gen = fresh_generator()
     problem = _problem(8, 1, 4, 16, gen)
-    unchunked = _loss_and_grads("triton", *problem, 4, torch.float32, chunk=1, group=1)
-    chunked = _loss_and_grads("triton", *problem, 4, torch.float32, chunk=3, group=5)
+    unchunked = _output_and_grads("triton", *problem, 4, torch.float32, chunk=1, group=1)
+    chunked = _output_and_grads("triton", *problem, 4, torch.float32, chunk=3, group=5)
     emb, q, g, mats, dout = problem
     e, qq, gg = leaf(emb.float(), q.float(), g.float())
     per_call = lambda s, sources: route(torch.stack(sources), qq[s], gg[s], 4, backend="triton")  # noqa: E731
     outputs = []
     loss = full_mode_loss(per_call, e, qq, gg, [m.float() for m in mats], dout, outputs)
     per_call_grads = (outputs[0], *torch.autograd.grad(loss, (e, qq, gg)))
-    exact = _loss_and_grads("torch", *problem, 4, torch.float64)
-    ref32 = _loss_and_grads("torch", *problem, 4, torch.float32)
+    exact = _output_and_grads("torch", *problem, 4, torch.float64)
+    ref32 = _output_and_grads("torch", *problem, 4, torch.float32)
     for name, a, b, c, x, r in zip(NAMES, chunked, unchunked,
                                    per_call_grads, exact, ref32):
         # chunking only reorders fp32 sums (the prefix merge, the suffix/in-group split of the backward): the
@@ -114,9 +114,9 @@ def test_float64_gradcheck():
 def test_bf16_within_reference_rounding_error():
     gen = fresh_generator()
     problem = _problem(7, 2, 4, 32, gen)
-    exact = _loss_and_grads("torch", *problem, 4, torch.float64)
-    ref = _loss_and_grads("torch", *problem, 4, torch.bfloat16)
-    got = _loss_and_grads("triton", *problem, 4, torch.bfloat16)
+    exact = _output_and_grads("torch", *problem, 4, torch.float64)
+    ref = _output_and_grads("torch", *problem, 4, torch.bfloat16)
+    got = _output_and_grads("triton", *problem, 4, torch.bfloat16)
     for name, a, r, e in zip(NAMES, got, ref, exact):
         assert rel(a, e) <= 2 * rel(r, e) + 1e-3, f"{name}: {rel(a, e):.2e} vs {rel(r, e):.2e}"
 
@@ -124,8 +124,8 @@ def test_bf16_within_reference_rounding_error():
 def test_repeated_runs_bitwise_identical():
     gen = fresh_generator()
     problem = _problem(7, 2, 3, 16, gen)
-    first = _loss_and_grads("triton", *problem, 4, torch.float32)
-    second = _loss_and_grads("triton", *problem, 4, torch.float32)
+    first = _output_and_grads("triton", *problem, 4, torch.float32)
+    second = _output_and_grads("triton", *problem, 4, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
