@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from routing import SHAPES, make_problem, run_once  # noqa: E402
+from routing import SHAPES, make_problem, parse_grid, run_once  # noqa: E402
 
 CONFIGS = [  # the defaults first (full_routing.DEFAULT_*), then alternatives
     dict(),
@@ -61,11 +61,14 @@ def print_registers():
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"])
+    parser.add_argument("--configs", default=None,
+                        help="configurations to profile after the defaults, in routing.py's --grid format")
     args = parser.parse_args()
+    configs = [dict()] + parse_grid(args.configs) if args.configs is not None else CONFIGS
     for shape in args.shapes:
         d, L, H, B, T = SHAPES[shape]
         prob = make_problem(d, L, H, B, T, torch.bfloat16)
-        for options in CONFIGS:
+        for options in configs:
             wall, totals, counts = kernel_table(prob, options)
             busy = sum(totals.values()) / 1e3
             print(f"\n{shape} {options}: wall {wall:.2f} ms, kernels {busy:.2f} ms")

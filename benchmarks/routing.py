@@ -178,13 +178,26 @@ def floor_ms(shape_name, bandwidth):
     return pairs * B * T * d * 2 / bandwidth * 1e3
 
 
+def parse_grid(text):
+    """FullRouting keyword dicts of a --grid text (see --grid's help)."""
+    configs = []
+    for entry_text in filter(None, text.split(";")):
+        if "=" in entry_text:
+            configs.append({k: int(v) for k, v in (kv.split("=") for kv in entry_text.split(","))})
+        else:
+            c, g, w, tile = (int(x) for x in entry_text.split(","))
+            configs.append(dict(chunk=c, group=g, num_warps=w, tile_elements=tile))
+    return configs
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"])
     parser.add_argument("--variants", nargs="+", default=["torch", "compile", "triton_percall", "triton"])
     parser.add_argument("--tune", action="store_true", help="also time a grid of chunk/group/warps/tile")
     parser.add_argument("--grid", default="8,4,2,2048;4,8,2,2048;8,8,2,2048;4,4,4,2048;4,8,2,4096;4,8,2,1024",
-                        help="--tune grid: 'chunk,group,warps,tile' entries separated by ';'")
+                        help="--tune grid: entries separated by ';', each 'chunk,group,warps,tile' or FullRouting "
+                             "keywords 'name=value,...' (e.g. 'unroll=2,suffix_tokens=4')")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
@@ -217,9 +230,7 @@ def main():
         prob = make_problem(d, L, H, B, T, torch.bfloat16)
         configs = [("triton", {})]
         if args.tune and "triton" in args.variants:
-            for entry_text in args.grid.split(";"):
-                c, g, w, tile = (int(x) for x in entry_text.split(","))
-                configs.append(("triton", dict(chunk=c, group=g, num_warps=w, tile_elements=tile)))
+            configs += [("triton", options) for options in parse_grid(args.grid)]
         # most important first: a run cut short by its time limit still leaves the triton numbers
         plan = (configs if "triton" in args.variants else []) + [(v, {}) for v in args.variants if v != "triton"]
         for variant, options in plan:

@@ -26,6 +26,9 @@ Math per (site s, source n, position, head h), with w = q_s * g_s folded in the 
 
 No atomics: A is written as per-program partials and reduced on the host in a fixed order.
 ACC is a constexpr (tl.float32, or tl.float64 so that float64 gradcheck runs in the interpreter).
+Row and site indices are not specialised (do_not_specialize): Triton would otherwise compile a kernel per
+index class (== 1, divisible by 16, other) and per combination of them, so a cold start compiled dozens of
+copies of each kernel; the offsets derived from them stay aligned through the specialised strides.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def _rsqrt_mean_square(v, D, eps):
     return 1.0 / tl.sqrt(sq / D + eps)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _site_fwd_kernel(
     rows_ptr, r_ptr, w_ptr, out_ptr, lse_ptr, n_rows, P, D, H, K, eps,
     BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
@@ -120,7 +123,7 @@ def _pair_row(src, site, N):
     return j * N - (j * (j - 1)) // 2 + (site - j)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row"])
 def _append_kernel(new_ptr, rows_ptr, r_ptr, row, P, D, eps,
                    BLOCK_T: tl.constexpr, D_P: tl.constexpr, ACC: tl.constexpr):
     """Full mode: the source of site `row` enters the shared buffer: rows[row] = new, r[row] = its inverse
@@ -138,7 +141,7 @@ def _append_kernel(new_ptr, rows_ptr, r_ptr, row, P, D, eps,
     tl.store(r_ptr + row * P + offs_t, r, mask=mask_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["src"])
 def _logits_kernel(rows_ptr, r_ptr, w_ptr, z_ptr, src, N, P, D, H, K,
                    BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
                    PREC: tl.constexpr):
@@ -170,10 +173,29 @@ def _logits_kernel(rows_ptr, r_ptr, w_ptr, z_ptr, src, N, P, D, H, K,
 
 
 @triton.jit
+def _prefix_logits(z_ptr, z_CT, mask_CT, n, n_rows, site_lo, N, H, P):
+    """Logits [C_P, BLOCK_T] of row n against the chunk's sites; -inf past the last row (weight 0)."""
+    return tl.load(z_ptr + _pair_row(n, site_lo, N) * H * P + z_CT, mask=mask_CT & (n < n_rows),
+                   other=float("-inf"))
+
+
+@triton.jit
+def _prefix_row(rows_ptr, tile_TK, mask_TK, n, n_rows, row_stride):
+    """Row n's [BLOCK_T, K_P] head slice in the storage dtype (zeros past the last row)."""
+    return tl.load(rows_ptr + n * row_stride + tile_TK, mask=mask_TK & (n < n_rows), other=0.0)
+
+
+@triton.jit
+def _prefix_mix(z, v, m, l, acc, ACC: tl.constexpr):
+    p = tl.exp(z - m)
+    return l + p, acc + p[:, :, None] * v.to(ACC)[None, :, :]
+
+
+@triton.jit(do_not_specialize=["n_rows", "site_lo", "n_sites"])
 def _prefix_fwd_kernel(
     rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr,
     n_rows, site_lo, n_sites, N, P, D, H, K,
-    C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+    C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """Prefix pass of a chunk, one head: every row in [0, n_rows) is read once and mixed into the C sites
     [site_lo, site_lo + n_sites). The logits come from the pair table z (computed when each row entered),
@@ -194,19 +216,41 @@ def _prefix_fwd_kernel(
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
     z_CT = (offs_c[:, None].to(tl.int64) * H + h) * P + offs_t[None, :]  # + pair (n, site_lo) rows
 
+    # UNROLL rows per step, their loads issued together: a program holds little data, so one row's load at
+    # a time leaves the loop waiting on memory latency; masked rows (past n_rows) add exact zeros.
     m = tl.full([C_P, BLOCK_T], float("-inf"), ACC)
-    for n in range(0, n_rows):
-        z = tl.load(z_ptr + _pair_row(n, site_lo, N) * H * P + z_CT, mask=mask_CT, other=float("-inf"))
-        m = tl.maximum(m, z)
+    for n in range(0, n_rows, UNROLL):
+        z0 = _prefix_logits(z_ptr, z_CT, mask_CT, n, n_rows, site_lo, N, H, P)
+        if UNROLL >= 2:
+            z1 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 1, n_rows, site_lo, N, H, P)
+        if UNROLL >= 4:
+            z2 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 2, n_rows, site_lo, N, H, P)
+            z3 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 3, n_rows, site_lo, N, H, P)
+        m = tl.maximum(m, z0)
+        if UNROLL >= 2:
+            m = tl.maximum(m, z1)
+        if UNROLL >= 4:
+            m = tl.maximum(tl.maximum(m, z2), z3)
     m = tl.where(mask_CT, m, 0.0)  # padded sites/tokens: keep exp() finite
     l = tl.zeros([C_P, BLOCK_T], ACC)
     acc = tl.zeros([C_P, BLOCK_T, K_P], ACC)
-    for n in range(0, n_rows):
-        z = tl.load(z_ptr + _pair_row(n, site_lo, N) * H * P + z_CT, mask=mask_CT, other=float("-inf"))
-        p = tl.exp(z - m)
-        l += p
-        v = tl.load(rows_ptr + n * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC)
-        acc += p[:, :, None] * v[None, :, :]
+    for n in range(0, n_rows, UNROLL):
+        z0 = _prefix_logits(z_ptr, z_CT, mask_CT, n, n_rows, site_lo, N, H, P)
+        v0 = _prefix_row(rows_ptr, tile_TK, mask_TK, n, n_rows, row_stride)
+        if UNROLL >= 2:
+            z1 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 1, n_rows, site_lo, N, H, P)
+            v1 = _prefix_row(rows_ptr, tile_TK, mask_TK, n + 1, n_rows, row_stride)
+        if UNROLL >= 4:
+            z2 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 2, n_rows, site_lo, N, H, P)
+            v2 = _prefix_row(rows_ptr, tile_TK, mask_TK, n + 2, n_rows, row_stride)
+            z3 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 3, n_rows, site_lo, N, H, P)
+            v3 = _prefix_row(rows_ptr, tile_TK, mask_TK, n + 3, n_rows, row_stride)
+        l, acc = _prefix_mix(z0, v0, m, l, acc, ACC)
+        if UNROLL >= 2:
+            l, acc = _prefix_mix(z1, v1, m, l, acc, ACC)
+        if UNROLL >= 4:
+            l, acc = _prefix_mix(z2, v2, m, l, acc, ACC)
+            l, acc = _prefix_mix(z3, v3, m, l, acc, ACC)
 
     ct = offs_c[:, None].to(tl.int64) * P + offs_t[None, :]
     tl.store(m_ptr + ct * H + h, m, mask=mask_CT)
@@ -215,7 +259,7 @@ def _prefix_fwd_kernel(
     tl.store(acc_ptr + acc_off, acc, mask=mask_CT[:, :, None] & mask_k[None, None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row_lo", "site", "state_slot"])
 def _merge_fwd_kernel(
     rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
     row_lo, site, state_slot, N, P, D, H, K,
@@ -277,7 +321,7 @@ def _pair_bwd(v, kr, r, dout, w_HK, lse, S):
     return dv, c, a_HK
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _site_bwd_kernel(
     rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, dsrc_ptr, a_ptr, n_rows, P, D, H, K,
     BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
@@ -316,10 +360,34 @@ def _site_bwd_kernel(
 
 
 @triton.jit
+def _suffix_loads(dout_buf_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK, offs_t, mask_t,
+                  s, s_lo, s_hi, row_stride, P, H, h):
+    """Everything the suffix pass reads of site s: dout (storage dtype), the lse and S of its tokens, the
+    logits of the group's pairs (-inf when s >= s_hi) and their offset in the pair table."""
+    ok = s < s_hi
+    dout = tl.load(dout_buf_ptr + s * row_stride + tile_TK, mask=mask_TK & ok, other=0.0)
+    lse = tl.load(lse_ptr + (s * P + offs_t) * H + h, mask=mask_t & ok, other=0.0)
+    S = tl.load(S_ptr + (s * P + offs_t) * H + h, mask=mask_t & ok, other=0.0)
+    z_off = z_GT + (s - s_lo) * H * P  # a source's pairs are consecutive rows
+    logit = tl.load(z_ptr + z_off, mask=mask_GT & ok, other=float("-inf"))
+    return dout, logit - lse[None, :], S, z_off
+
+
+@triton.jit
+def _suffix_pair(v, dout, shifted_logit, S, dl_ptr, z_off, mask_store, dv, ACC: tl.constexpr):
+    """One later site against the group's rows: store dl of its pairs, return dv plus the value path."""
+    dout = dout.to(ACC)
+    alpha = tl.exp(shifted_logit)
+    gdot = tl.sum(v * dout[None, :, :], axis=2)
+    tl.store(dl_ptr + z_off, alpha * (gdot - S[None, :]), mask=mask_store)
+    return dv + alpha[:, :, None] * dout[None, :, :]
+
+
+@triton.jit(do_not_specialize=["n_lo", "n_src", "s_lo"])
 def _suffix_bwd_kernel(
     rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, z_ptr, dl_ptr, part_dv_ptr,
     n_lo, n_src, s_lo, s_hi, N, P, D, H, K,
-    G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+    G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """Full-mode suffix pass of a source group, one head: the group's rows [n_lo, n_lo + n_src) stay in
     registers while every later site [s_lo, s_hi) is read once. Per pair it needs only the forward's logit
@@ -347,17 +415,25 @@ def _suffix_bwd_kernel(
     v = tl.load(rows_ptr + rows_GTK, mask=mask_GTK, other=0.0).to(ACC)
     z_GT = (_pair_row(n_lo + offs_g, s_lo, N)[:, None] * H + h) * P + offs_t[None, :]  # pair (g, s_lo)
     dv = tl.zeros([G_P, BLOCK_T, K_P], ACC)
-    for s in range(s_lo, s_hi):
-        dout = tl.load(dout_buf_ptr + s * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC)
-        lse = tl.load(lse_ptr + (s * P + offs_t) * H + h, mask=mask_t, other=0.0)
-        S = tl.load(S_ptr + (s * P + offs_t) * H + h, mask=mask_t, other=0.0)
-        z_off = z_GT + (s - s_lo) * H * P  # a source's pairs are consecutive rows
-        logit = tl.load(z_ptr + z_off, mask=mask_GT, other=0.0)
-        alpha = tl.exp(logit - lse[None, :])
-        gdot = tl.sum(v * dout[None, :, :], axis=2)
-        dl = alpha * (gdot - S[None, :])
-        tl.store(dl_ptr + z_off, dl, mask=mask_GT)
-        dv += alpha[:, :, None] * dout[None, :, :]
+    # UNROLL later sites per step with their loads issued together (see _prefix_fwd_kernel); sites past
+    # s_hi load logits of -inf, so their alpha, dl and value-path terms are exact zeros.
+    for s in range(s_lo, s_hi, UNROLL):
+        d0, a0, S0, o0 = _suffix_loads(dout_buf_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK,
+                                       offs_t, mask_t, s, s_lo, s_hi, row_stride, P, H, h)
+        if UNROLL >= 2:
+            d1, a1, S1, o1 = _suffix_loads(dout_buf_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK,
+                                           offs_t, mask_t, s + 1, s_lo, s_hi, row_stride, P, H, h)
+        if UNROLL >= 4:
+            d2, a2, S2, o2 = _suffix_loads(dout_buf_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK,
+                                           offs_t, mask_t, s + 2, s_lo, s_hi, row_stride, P, H, h)
+            d3, a3, S3, o3 = _suffix_loads(dout_buf_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK,
+                                           offs_t, mask_t, s + 3, s_lo, s_hi, row_stride, P, H, h)
+        dv = _suffix_pair(v, d0, a0, S0, dl_ptr, o0, mask_GT & (s < s_hi), dv, ACC)
+        if UNROLL >= 2:
+            dv = _suffix_pair(v, d1, a1, S1, dl_ptr, o1, mask_GT & (s + 1 < s_hi), dv, ACC)
+        if UNROLL >= 4:
+            dv = _suffix_pair(v, d2, a2, S2, dl_ptr, o2, mask_GT & (s + 2 < s_hi), dv, ACC)
+            dv = _suffix_pair(v, d3, a3, S3, dl_ptr, o3, mask_GT & (s + 3 < s_hi), dv, ACC)
 
     part_GTK = offs_g[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
     tl.store(part_dv_ptr + part_GTK, dv, mask=mask_GTK)
@@ -374,7 +450,7 @@ def _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair, s, P, H, th, zt, mask_t
     return dl, alpha, logit
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["src", "g_end", "part_slot"])
 def _column_bwd_kernel(
     rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, dout_new_ptr, out_new_ptr,
     z_ptr, dl_ptr, part_dv_ptr, dvp_ptr, c_ptr,
@@ -430,7 +506,7 @@ def _column_bwd_kernel(
     tl.store(c_ptr + zt, c, mask=mask_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["src"])
 def _keypath_kernel(rows_ptr, r_ptr, w_ptr, dl_ptr, dvp_ptr, c_ptr, dsrc_ptr, src, N, P, D, H, K,
                     BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, H_P: tl.constexpr,
                     ACC: tl.constexpr, PREC: tl.constexpr):

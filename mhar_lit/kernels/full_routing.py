@@ -49,6 +49,8 @@ DEFAULT_GROUP = 8  # G: sources per backward suffix pass
 DEFAULT_WARPS = 2
 DEFAULT_TILE = 2048  # elements of one register tile (fixes tokens per program)
 DOT_TOKENS = 64  # tokens per program of the tensor-core kernels (logits, key path, dq/dg)
+UNROLL_CHOICES = (1, 2, 4)
+DEFAULT_UNROLL = 4  # rows (prefix) / sites (suffix) whose loads the O(L^2) loops issue together
 
 
 class FullRouting:
@@ -56,7 +58,8 @@ class FullRouting:
 
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int,
                  eps: float = 1e-6, chunk: int = DEFAULT_CHUNK, group: int = DEFAULT_GROUP,
-                 num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE) -> None:
+                 num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE, unroll: int = DEFAULT_UNROLL,
+                 suffix_tokens: int = 0, suffix_warps: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -68,11 +71,17 @@ class FullRouting:
             raise ValueError(f"hidden size {d} is not divisible by the number of routing heads {heads}")
         if chunk < 1 or group < 1:
             raise ValueError(f"chunk ({chunk}) and group ({group}) must be >= 1")
+        if unroll not in UNROLL_CHOICES:
+            raise ValueError(f"unroll must be one of {UNROLL_CHOICES}, got {unroll}")
+        if suffix_tokens < 0 or suffix_tokens & (suffix_tokens - 1) or suffix_warps < 0:
+            raise ValueError(f"suffix_tokens ({suffix_tokens}) must be 0 (automatic) or a power of two, "
+                             f"suffix_warps ({suffix_warps}) 0 (automatic) or positive")
         check_storage_dtype(embedding_BTD.dtype)
         check_device(embedding_BTD, query_SD, norm_weight_SD)
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
         self.chunk, self.group, self.num_warps = min(chunk, n), min(group, n), num_warps
         self.tile = tile_elements  # register tile size: fixes tokens per program (tile_tokens)
+        self.unroll, self.suffix_tokens, self.suffix_warps = unroll, suffix_tokens, suffix_warps
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)
         self.p, self.k = b * t, d // heads
@@ -171,7 +180,7 @@ class FullRouting:
         kern._prefix_fwd_kernel[(triton.cdiv(self.p, block_t), self.heads)](
             self.rows, self.z, m, l, acc,
             s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
-            C_P=c_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, num_warps=self.num_warps,
+            C_P=c_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.unroll, num_warps=self.num_warps,
         )
 
     # ---------------------------------------------------------------- backward
@@ -222,12 +231,12 @@ class FullRouting:
         # Tokens and warps from the H200 measurement of 2026-12-02 (benchmarks/results/routing_v2_*): at least
         # 2 tokens per program, 4 warps once the tile passes 2048 elements (1B: 2 tokens x 8 x 256 on 4 warps
         # ran 6.6 ms against 14.8 ms for 1 token on 2 warps; 100M/350M were best at 4/2 tokens on 2 warps).
-        block_t = max(2, tile_tokens(g_p * self.k_p, self.tile))
-        warps = 2 if g_p * self.k_p * block_t <= 2048 else 4
+        block_t = self.suffix_tokens or max(2, tile_tokens(g_p * self.k_p, self.tile))
+        warps = self.suffix_warps or (2 if g_p * self.k_p * block_t <= 2048 else 4)
         kern._suffix_bwd_kernel[(triton.cdiv(self.p, block_t), self.heads)](
             self.rows, self.lse, bw["S"], bw["dout"], self.z, bw["dl"], bw["part_dv"],
             g0, g_end - g0, g_end, self.n_sites, self.n_sites, self.p, d, self.heads, self.k,
-            G_P=g_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, num_warps=warps,
+            G_P=g_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.unroll, num_warps=warps,
         )
 
     def _column(self, site: int, g0: int, g_end: int, dout_BTD: Tensor) -> Tensor:

@@ -39,14 +39,14 @@ def _problem(n_sites, b, t, d, gen):
 NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
 
 
-def _output_and_grads(kind, emb, q, g, mats, dout, heads, dtype, chunk=3, group=2):
-    """(final output, d_embedding, d_query, d_norm_weight) of the full-mode stack."""
+def _output_and_grads(kind, emb, q, g, mats, dout, heads, dtype, chunk=3, group=2, **knobs):
+    """(final output, d_embedding, d_query, d_norm_weight) of the full-mode stack; knobs go to FullRouting."""
     e, qq, gg = leaf(emb.to(dtype), q.to(dtype), g.to(dtype))
     mats = [m.to(dtype) for m in mats]
     if kind == "torch":
         site_fn = torch_site(qq, gg, heads)
     else:
-        routing = FullRouting(e, qq, gg, heads, chunk=chunk, group=group)
+        routing = FullRouting(e, qq, gg, heads, chunk=chunk, group=group, **knobs)
 
         def site_fn(s, sources):
             params = (qq, gg) if s == 0 else (None, None)
@@ -97,6 +97,32 @@ def test_chunked_equals_unchunked_and_per_call_path():
         assert rel(a, b) <= tol and rel(a, c) <= tol, (
             f"{name}: chunked vs unchunked {rel(a, b):.1e}, vs per-call {rel(a, c):.1e}, tol {tol:.1e} "
             f"(seed {gen.initial_seed()})")
+
+
+def test_unroll_and_suffix_tiling_change_nothing():
+    """The unrolled loops add exact zeros past their ends (bitwise equal at every unroll); other suffix token
+    tiles only regroup tokens, whose sums are independent (equal to fp32 rounding of the reduction order)."""
+    gen = fresh_generator()
+    problem = _problem(9, 3, 5, 12, gen)  # prefix rows 3, 6 and suffix sites 7, 5, 3, 1: every remainder
+    base = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, unroll=1)
+    for unroll in (2, 4):
+        got = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, unroll=unroll)
+        assert all(torch.equal(a, b) for a, b in zip(got, base)), f"unroll {unroll} (seed {gen.initial_seed()})"
+    tiled = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, suffix_tokens=8,
+                              suffix_warps=8)
+    for name, a, b in zip(NAMES, tiled, base):
+        assert rel(a, b) <= 1e-6, f"{name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
+
+
+@pytest.mark.parametrize("knobs,message", [
+    (dict(unroll=3), "unroll must be one of"),
+    (dict(suffix_tokens=3), "power of two"),
+    (dict(suffix_warps=-1), "suffix_warps"),
+])
+def test_bad_knobs_are_named(knobs, message):
+    x = torch.zeros(1, 2, 4)
+    with pytest.raises(ValueError, match=message):
+        FullRouting(x, torch.ones(3, 4), torch.ones(3, 4), 2, **knobs)
 
 
 def test_float64_gradcheck():
