@@ -1,5 +1,5 @@
 """Host cost of one Triton launch with a routing kernel's argument list (7 pointers, 9 ints, 5 constexprs):
-the usual `kernel[grid](...)` path against the compiled kernel's own launcher (what `kernel.warmup` returns),
+the usual `kernel[grid](...)` path against the compiled kernel's own launcher and mhar_lit's fast path,
 plus the host cost of the small torch calls a routing site makes (torch.empty, an autograd.Function apply).
 Host microseconds per call, median of 5 runs of 2000 calls each, the GPU kept idle (the kernel does nothing).
 
@@ -14,6 +14,8 @@ import time
 import torch
 import triton
 import triton.language as tl
+
+from mhar_lit.kernels.launch import launch
 
 
 @triton.jit(do_not_specialize=["a", "b", "c"])
@@ -50,14 +52,14 @@ def main() -> None:
     ints = (5, 17, 3, 73, 2048, 1280, 8, 160, 7)
     consts = dict(X=8, Y=2, Z=256, W=16, ACC=tl.float32)
     grid = (1024, 8)
-    _noop[grid](*ptrs, *ints, **consts)
-    compiled = _noop.warmup(*ptrs, *ints, grid=grid, **consts)
-    runner = compiled[grid]
+    compiled = _noop[grid](*ptrs, *ints, **consts)  # Triton returns the compiled kernel it launched
+    runner = compiled[grid + (1,)]  # the compiled kernel's launcher reads grid[0..2]
     x = torch.empty(2048, 1280, device="cuda", requires_grad=True)
     rows = [
         ("kernel[grid](...) (Triton's usual launch)", lambda: _noop[grid](*ptrs, *ints, **consts)),
-        ("compiled kernel's launcher, runtime args only", lambda: runner(*ptrs, *ints)),
-        ("compiled kernel's launcher, constexprs too", lambda: runner(*ptrs, *ints, *consts.values())),
+        ("compiled kernel's launcher (all args, constexprs too)", lambda: runner(*ptrs, *ints, *consts.values())),
+        ("mhar_lit.kernels.launch.launch (our fast path)", lambda: launch(_noop, grid, *ptrs, *ints, num_warps=4,
+                                                                          **consts)),
         ("torch.empty(2048 x 1280, bf16)", lambda: torch.empty(2048, 1280, dtype=torch.bfloat16, device="cuda")),
         ("autograd.Function.apply (view)", lambda: _Identity.apply(x)),
     ]

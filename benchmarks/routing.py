@@ -197,7 +197,7 @@ def main():
     parser.add_argument("--tune", action="store_true", help="also time a grid of chunk/group/warps/tile")
     parser.add_argument("--grid", default="8,4,2,2048;4,8,2,2048;8,8,2,2048;4,4,4,2048;4,8,2,4096;4,8,2,1024",
                         help="--tune grid: entries separated by ';', each 'chunk,group,warps,tile' or FullRouting "
-                             "keywords 'name=value,...' (e.g. 'unroll=2,suffix_tokens=4')")
+                             "keywords 'name=value,...' (e.g. 'suffix_unroll=2,suffix_tokens=4')")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()

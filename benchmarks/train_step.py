@@ -1,11 +1,11 @@
 """Time full training steps (forward + backward + fused AdamW) of each method at the paper's sizes.
 
-    python benchmarks/train_step.py [--sizes 100M 350M 1B] [--methods baseline mhar block hf] [--steps 10]
+    python benchmarks/train_step.py [--sizes 100M 350M 1B] [--methods baseline mhar block hf] [--rounds 4 --steps 3]
 
 Per (size, method): bf16 parameters and compute (the paper's bf16-true), the paper's per-GPU microbatch
 (100M: 8 x 2048, 350M: 4 x 1024, 1B: 2 x 1024), fused AdamW, loss as in LanguageModel. Warm-up steps
-first, then CUDA-event timing of each step; reports median ms/step, tokens/s, peak memory and the ratio to
-our baseline measured in the same process. "hf" is transformers' Qwen3ForCausalLM of the same shape.
+first, then CUDA-event timing of each step, the methods of a size interleaved in rounds (see time_size);
+reports median ms/step, tokens/s, peak memory and the ratio to our baseline measured in the same process. "hf" is transformers' Qwen3ForCausalLM of the same shape.
 Writes JSON (device, versions, date, command) and prints a table last.
 """
 
@@ -82,50 +82,74 @@ def train_step(model, opt, method: str, batch: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def time_method(size: str, method: str, steps: int, warmup: int, backend: str) -> dict:
-    model, opt = setup(size, method, backend)
+def _timed_step(model, opt, method: str, batch: torch.Tensor) -> tuple[float, torch.Tensor]:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    loss = train_step(model, opt, method, batch)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end), loss.detach()
+
+
+def time_size(size: str, methods: list[str], rounds: int, steps: int, warmup: int, backend: str) -> list[dict]:
+    """All methods of one size resident at once, timed in interleaved rounds (`steps` steps of each method per
+    round), so that every method sees the same host conditions: these steps are host-bound and the host's
+    speed drifts by 10-20% between and within runs. Peak memory is each method's own: the peak during its
+    steps minus the resident state (parameters, optimizer) of the other methods."""
     b, t = MICROBATCH[size]
-    vocab = model.config.vocab_size
-    batches = [torch.randint(0, vocab, (b, t + 1), device="cuda") for _ in range(4)]
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for step in range(warmup + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        loss = train_step(model, opt, method, batches[step % len(batches)])
-        end.record()
-        torch.cuda.synchronize()
-        if step >= warmup:
-            times.append(start.elapsed_time(end))
-    ms = statistics.median(times)
-    result = {"size": size, "method": method, "ms_per_step": ms, "tokens_per_s": b * t / ms * 1e3,
-              "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
-              "step_ms_all": times, "microbatch": [b, t]}
-    del model, opt, batches, loss
+    runs, failed = {}, []
+    for method in methods:
+        try:
+            before = torch.cuda.memory_allocated()
+            model, opt = setup(size, method, backend)
+            batches = [torch.randint(0, model.config.vocab_size, (b, t + 1), device="cuda") for _ in range(4)]
+            torch.cuda.reset_peak_memory_stats()
+            for step in range(warmup):
+                _, loss = _timed_step(model, opt, method, batches[step % 4])
+            runs[method] = {"model": model, "opt": opt, "batches": batches, "times": [], "peak": 0,
+                            "resident": torch.cuda.memory_allocated() - before,
+                            "warmup_peak": torch.cuda.max_memory_allocated() - before, "loss": float(loss)}
+        except Exception as err:  # record and continue: one failing method must not hide the others
+            failed.append({"size": size, "method": method, "error": f"{type(err).__name__}: {err}"})
+            gc.collect()
+            torch.cuda.empty_cache()
+    total_resident = sum(run["resident"] for run in runs.values())
+    for _ in range(rounds):
+        for method, run in runs.items():
+            torch.cuda.reset_peak_memory_stats()
+            for _ in range(steps):
+                ms, loss = _timed_step(run["model"], run["opt"], method, run["batches"][len(run["times"]) % 4])
+                run["times"].append(ms)
+            others = total_resident - run["resident"]
+            run["peak"] = max(run["peak"], torch.cuda.max_memory_allocated() - others)
+            run["loss"] = float(loss)
+    results = []
+    for method, run in runs.items():
+        ms = statistics.median(run["times"])
+        results.append({"size": size, "method": method, "ms_per_step": ms, "tokens_per_s": b * t / ms * 1e3,
+                        "peak_mem_gb": run["peak"] / 2**30, "resident_gb": run["resident"] / 2**30,
+                        "loss": run["loss"], "step_ms_all": run["times"], "microbatch": [b, t]})
+    runs.clear()
     gc.collect()
     torch.cuda.empty_cache()
-    return result
+    return results + failed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", nargs="+", default=["100M", "350M", "1B"])
     parser.add_argument("--methods", nargs="+", default=["baseline", "mhar", "block", "hf"])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the methods")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps of each method per round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = []
     for size in args.sizes:
-        for method in args.methods:
-            try:
-                results.append(time_method(size, method, args.steps, args.warmup, args.backend))
-            except Exception as err:  # record and continue: one failing method must not hide the others
-                results.append({"size": size, "method": method, "error": f"{type(err).__name__}: {err}"})
-                gc.collect()
-                torch.cuda.empty_cache()
-            print(json.dumps({k: v for k, v in results[-1].items() if k != "step_ms_all"}), flush=True)
+        for r in time_size(size, args.methods, args.rounds, args.steps, args.warmup, args.backend):
+            results.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "step_ms_all"}), flush=True)
     base = {r["size"]: r for r in results if r["method"] == "baseline" and "error" not in r}
     for r in results:
         if "error" not in r and r["size"] in base:

@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from mhar_lit.kernels import _routing_kernels as kern
+from mhar_lit.kernels.launch import launch
 from mhar_lit.kernels.routing_triton import (accumulator, check_device, check_storage_dtype, pow2,
                                              tile_tokens)
 
@@ -50,7 +51,11 @@ DEFAULT_WARPS = 2
 DEFAULT_TILE = 2048  # elements of one register tile (fixes tokens per program)
 DOT_TOKENS = 64  # tokens per program of the tensor-core kernels (logits, key path, dq/dg)
 UNROLL_CHOICES = (1, 2, 4)
-DEFAULT_UNROLL = 4  # rows (prefix) / sites (suffix) whose loads the O(L^2) loops issue together
+# Rows (prefix) / sites (suffix) whose loads the O(L^2) loops issue together. H200, 2026-12-02: unrolling by 4
+# sped the prefix kernels up at every shape (1B: 2.88 -> 2.64 ms) but slowed the suffix kernels down at 1B
+# (5.75 -> 10.80 ms: 255 registers with spills), so the two passes have separate knobs.
+DEFAULT_PREFIX_UNROLL = 4
+DEFAULT_SUFFIX_UNROLL = 1
 
 
 class FullRouting:
@@ -58,7 +63,8 @@ class FullRouting:
 
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int,
                  eps: float = 1e-6, chunk: int = DEFAULT_CHUNK, group: int = DEFAULT_GROUP,
-                 num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE, unroll: int = DEFAULT_UNROLL,
+                 num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE,
+                 prefix_unroll: int = DEFAULT_PREFIX_UNROLL, suffix_unroll: int = DEFAULT_SUFFIX_UNROLL,
                  suffix_tokens: int = 0, suffix_warps: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
@@ -71,8 +77,9 @@ class FullRouting:
             raise ValueError(f"hidden size {d} is not divisible by the number of routing heads {heads}")
         if chunk < 1 or group < 1:
             raise ValueError(f"chunk ({chunk}) and group ({group}) must be >= 1")
-        if unroll not in UNROLL_CHOICES:
-            raise ValueError(f"unroll must be one of {UNROLL_CHOICES}, got {unroll}")
+        for name, unroll in (("prefix_unroll", prefix_unroll), ("suffix_unroll", suffix_unroll)):
+            if unroll not in UNROLL_CHOICES:
+                raise ValueError(f"{name} must be one of {UNROLL_CHOICES}, got {unroll}")
         if suffix_tokens < 0 or suffix_tokens & (suffix_tokens - 1) or suffix_warps < 0:
             raise ValueError(f"suffix_tokens ({suffix_tokens}) must be 0 (automatic) or a power of two, "
                              f"suffix_warps ({suffix_warps}) 0 (automatic) or positive")
@@ -81,7 +88,8 @@ class FullRouting:
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
         self.chunk, self.group, self.num_warps = min(chunk, n), min(group, n), num_warps
         self.tile = tile_elements  # register tile size: fixes tokens per program (tile_tokens)
-        self.unroll, self.suffix_tokens, self.suffix_warps = unroll, suffix_tokens, suffix_warps
+        self.prefix_unroll, self.suffix_unroll = prefix_unroll, suffix_unroll
+        self.suffix_tokens, self.suffix_warps = suffix_tokens, suffix_warps
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)
         self.p, self.k = b * t, d // heads
@@ -99,7 +107,6 @@ class FullRouting:
         # Every (source, site) logit of the forward, for the backward (source-major triangle, see
         # _routing_kernels._pair_row): N(N+1)/2 x H x P fp32, d/H / 2 times smaller than one pass of rows.
         self.z = torch.empty(n * (n + 1) // 2, heads, self.p, dtype=self.acc_t, device=self.device)
-        self.outputs: list[Optional[Tensor]] = [None] * n
         self.next_site = 0
         self.next_backward = n - 1
         self._chunk_state: Optional[tuple[Tensor, Tensor, Tensor]] = None
@@ -115,8 +122,24 @@ class FullRouting:
         return _FullSiteFunction.apply(self, site, source_BTD, query_SD, norm_weight_SD)
 
     def sources_view(self, upto: int) -> Tensor:
-        """The first `upto` buffered sources as [N, B, T, D] (read-only use: monitors)."""
+        """The first `upto` buffered sources as [N, B, T, D] (read-only use: monitors, during the forward)."""
+        if self.rows is None:
+            raise RuntimeError("the routing's source buffer was released by the end of its backward pass; "
+                               "sources_view is for use during the forward pass")
         return self.rows[:upto].view(upto, *self.shape)
+
+    def saved_state(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """What the backward needs beyond each site's output; autograd keeps it (save_for_backward of the
+        final site), so it is freed with the graph, or kept for a second pass when the graph is retained."""
+        return self.rows, self.r, self.lse, self.z
+
+    def restore(self, rows: Tensor, r: Tensor, lse: Tensor, z: Tensor) -> None:
+        self.rows, self.r, self.lse, self.z = rows, r, lse, z
+
+    def release(self) -> None:
+        """Drop the forward state: the graph's nodes keep this object alive as long as the loss is alive
+        (a training loop's `loss` often survives into the next step's forward)."""
+        self.rows = self.r = self.lse = self.z = None
 
     # ---------------------------------------------------------------- forward
     def forward_site(self, site: int, source_BTD: Tensor) -> Tensor:
@@ -137,12 +160,11 @@ class FullRouting:
         out_PD = torch.empty(self.p, d, dtype=self.dtype, device=self.device)
         m, l, acc = self._chunk_state if s0 > 0 else (self.lse, self.lse, self.lse)
         block_t = tile_tokens(self.k_p, self.tile)
-        kern._merge_fwd_kernel[(triton.cdiv(self.p, block_t), self.heads)](
+        launch(kern._merge_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads),
             self.rows, self.z, m, l, acc, out_PD, self.lse,
             s0, site, site - s0, self.n_sites, self.p, d, self.heads, self.k,
             HAS_INIT=s0 > 0, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, num_warps=self.num_warps,
         )
-        self.outputs[site] = out_PD
         self.next_site += 1
         if self.next_site == self.n_sites:
             self._chunk_state = None
@@ -154,11 +176,11 @@ class FullRouting:
         p, d, n = self.p, self.shape[2], self.n_sites
         d_p = pow2(d)
         block_t = tile_tokens(d_p, self.tile)
-        kern._append_kernel[(triton.cdiv(p, block_t),)](
+        launch(kern._append_kernel, (triton.cdiv(p, block_t),),
             source_BTD.contiguous(), self.rows, self.r, site, p, d, self.eps,
             BLOCK_T=block_t, D_P=d_p, ACC=self.acc_tl, num_warps=self.num_warps,
         )
-        kern._logits_kernel[(triton.cdiv(p, DOT_TOKENS), self.heads)](
+        launch(kern._logits_kernel, (triton.cdiv(p, DOT_TOKENS), self.heads),
             self.rows, self.r, self.w_SD, self.z, site, n, p, d, self.heads, self.k,
             BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n - site), ACC=self.acc_tl, PREC=self.prec,
             num_warps=4,
@@ -177,14 +199,15 @@ class FullRouting:
         m, l, acc = self._chunk_state
         c_p = pow2(self.chunk)
         block_t = tile_tokens(c_p * self.k_p, self.tile)
-        kern._prefix_fwd_kernel[(triton.cdiv(self.p, block_t), self.heads)](
+        launch(kern._prefix_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads),
             self.rows, self.z, m, l, acc,
             s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
-            C_P=c_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.unroll, num_warps=self.num_warps,
+            C_P=c_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.prefix_unroll,
+            num_warps=self.num_warps,
         )
 
     # ---------------------------------------------------------------- backward
-    def backward_site(self, site: int, dout_BTD: Tensor):
+    def backward_site(self, site: int, out_BTD: Tensor, dout_BTD: Tensor):
         if site == self.n_sites - 1:  # a (re)start: retain_graph lets autograd run the backward again
             self.next_backward, self._bwd = site, None
         if site != self.next_backward:
@@ -202,14 +225,15 @@ class FullRouting:
         g_end = min(g0 + self.group, self.n_sites)
         if site == g_end - 1 and g_end < self.n_sites:
             self._suffix(g0, g_end)
-        dsrc_PD = self._column(site, g0, g_end, dout_BTD)
+        dsrc_PD = self._column(site, g0, g_end, out_BTD, dout_BTD)
         self.next_backward -= 1
         if site > 0:
             return dsrc_PD.view(self.shape), None, None
         a_SD = self._query_grad()  # every pair's dl exists now
         dq = (a_SD * self.g_SD).to(self.param_dtypes[0])
         dg = (a_SD * self.q_SD).to(self.param_dtypes[1])
-        self._bwd = None  # forward state stays (freed with the graph) so that a retained graph can rerun
+        self._bwd = None
+        self.release()  # a retained graph's rerun restores the state from the final site's saved tensors
         return dsrc_PD.view(self.shape), dq, dg
 
     def _backward_buffers(self) -> dict:
@@ -233,25 +257,25 @@ class FullRouting:
         # ran 6.6 ms against 14.8 ms for 1 token on 2 warps; 100M/350M were best at 4/2 tokens on 2 warps).
         block_t = self.suffix_tokens or max(2, tile_tokens(g_p * self.k_p, self.tile))
         warps = self.suffix_warps or (2 if g_p * self.k_p * block_t <= 2048 else 4)
-        kern._suffix_bwd_kernel[(triton.cdiv(self.p, block_t), self.heads)](
+        launch(kern._suffix_bwd_kernel, (triton.cdiv(self.p, block_t), self.heads),
             self.rows, self.lse, bw["S"], bw["dout"], self.z, bw["dl"], bw["part_dv"],
             g0, g_end - g0, g_end, self.n_sites, self.n_sites, self.p, d, self.heads, self.k,
-            G_P=g_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.unroll, num_warps=warps,
+            G_P=g_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.suffix_unroll, num_warps=warps,
         )
 
-    def _column(self, site: int, g0: int, g_end: int, dout_BTD: Tensor) -> Tensor:
+    def _column(self, site: int, g0: int, g_end: int, out_BTD: Tensor, dout_BTD: Tensor) -> Tensor:
         """Finish source `site`: in-group pairs and value path, then the key path of all its pairs."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
         block_t = tile_tokens(self.k_p, self.tile)
-        kern._column_bwd_kernel[(triton.cdiv(p, block_t), self.heads)](
-            self.rows, self.lse, bw["S"], bw["dout"], dout_BTD.to(self.dtype).contiguous(), self.outputs[site],
+        launch(kern._column_bwd_kernel, (triton.cdiv(p, block_t), self.heads),
+            self.rows, self.lse, bw["S"], bw["dout"], dout_BTD.to(self.dtype).contiguous(), out_BTD,
             self.z, bw["dl"], bw["part_dv"], bw["dvp"], bw["c"],
             site, g_end, site - g0, n, p, d, self.heads, self.k,
             HAS_SUFFIX=g_end < n, BLOCK_T=block_t, K_P=self.k_p, S_P=dot_dim(n - g_end), ACC=self.acc_tl,
             num_warps=self.num_warps,
         )
         dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
-        kern._keypath_kernel[(triton.cdiv(p, DOT_TOKENS), self.heads)](
+        launch(kern._keypath_kernel, (triton.cdiv(p, DOT_TOKENS), self.heads),
             self.rows, self.r, self.w_SD, bw["dl"], bw["dvp"], bw["c"], dsrc_PD, site, n, p, d, self.heads, self.k,
             BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n - site), H_P=self.h_p, ACC=self.acc_tl,
             PREC=self.prec, num_warps=4,
@@ -263,7 +287,7 @@ class FullRouting:
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
         blocks = triton.cdiv(p, DOT_TOKENS)
         a_part = torch.empty(blocks, n, d, dtype=self.acc_t, device=self.device)
-        kern._query_grad_kernel[(blocks, self.heads, triton.cdiv(self.k, self.k_b))](
+        launch(kern._query_grad_kernel, (blocks, self.heads, triton.cdiv(self.k, self.k_b)),
             self.rows, self.r, bw["dl"], a_part, n, p, d, self.heads, self.k,
             BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n), ACC=self.acc_tl, PREC=self.prec, num_warps=4,
         )
@@ -280,10 +304,18 @@ class _FullSiteFunction(torch.autograd.Function):
     def forward(ctx, routing: FullRouting, site: int, source_BTD: Tensor, query_SD: Optional[Tensor],
                 norm_weight_SD: Optional[Tensor]) -> Tensor:
         ctx.routing, ctx.site = routing, site
-        return routing.forward_site(site, source_BTD)
+        out_BTD = routing.forward_site(site, source_BTD)
+        # Saved through autograd, not kept on `routing`: freed as the backward passes (or kept for a rerun
+        # with retain_graph). The final site also saves the shared state (rows, statistics, logits).
+        final = site == routing.n_sites - 1
+        ctx.save_for_backward(out_BTD, *(routing.saved_state() if final else ()))
+        return out_BTD
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout_BTD: Tensor):
-        dsrc, dq, dg = ctx.routing.backward_site(ctx.site, dout_BTD)
+        out_BTD, *state = ctx.saved_tensors
+        if state:
+            ctx.routing.restore(*state)
+        dsrc, dq, dg = ctx.routing.backward_site(ctx.site, out_BTD, dout_BTD)
         return None, None, dsrc, dq, dg

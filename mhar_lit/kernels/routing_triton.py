@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from mhar_lit.kernels import _routing_kernels as kern
+from mhar_lit.kernels.launch import launch
 
 STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # Elements of one register tile; fixes tokens per program for a padded head width (see tile_tokens).
@@ -80,7 +81,7 @@ def _launch_forward(rows_NPD: Tensor, w_1D: Tensor, heads: int, eps: float):
     lse_PH = torch.empty(p, heads, dtype=acc_t, device=rows_NPD.device)
     out_PD = torch.empty(p, d, dtype=rows_NPD.dtype, device=rows_NPD.device)
     grid = (triton.cdiv(p, block_t),)
-    kern._site_fwd_kernel[grid](
+    launch(kern._site_fwd_kernel, grid,
         rows_NPD, r_NP, w_1D, out_PD, lse_PH, n, p, d, heads, k, eps,
         BLOCK_T=block_t, H_P=h_p, K_P=k_p, ACC=acc_tl, num_warps=4,
     )
@@ -97,7 +98,7 @@ def _launch_backward(rows_NPD: Tensor, r_NP: Tensor, w_1D: Tensor, lse_PH: Tenso
     programs = triton.cdiv(p, block_t)
     dsrc_NPD = torch.empty_like(rows_NPD)
     a_part = torch.empty(programs, d, dtype=acc_t, device=rows_NPD.device)
-    kern._site_bwd_kernel[(programs,)](
+    launch(kern._site_bwd_kernel, (programs,),
         rows_NPD, r_NP, w_1D, lse_PH, dout_PD, out_PD, dsrc_NPD, a_part, n, p, d, heads, k,
         BLOCK_T=block_t, H_P=h_p, K_P=k_p, ACC=acc_tl, num_warps=4,
     )

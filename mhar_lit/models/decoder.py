@@ -26,6 +26,35 @@ from mhar_lit.residual.base import ResidualStrategy
 from mhar_lit.residual.standard import StandardResidual
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """The RMSNorm below with a lean backward: it saves the input (storage dtype) and the per-token statistic
+    and recomputes the normalised input, where autograd through the plain ops keeps an fp32 copy of the input
+    and the normalised tensor (6 bytes per element for bf16 instead of 2, at every norm of the model). The
+    input is usually kept anyway (by the residual stream, or by full-mode routing, whose site output is
+    the norm's input), so the norm adds only the statistic. Forward ops are the plain ones (bitwise equal);
+    the backward is the same chain rule, with the plain path's roundings (the gradient of the normalised
+    input rounded to the storage dtype)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (h * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.to(rstd.dtype) * rstd
+        dx = dweight = None
+        if ctx.needs_input_grad[1]:
+            dweight = (dy * xhat.to(x.dtype)).sum_to_size(weight.shape).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            dxhat = (dy * weight).to(x.dtype).to(rstd.dtype)
+            dx = (rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        return dx, dweight, None
+
+
 class RMSNorm(nn.Module):
     """g * cast(x * rsqrt(mean x^2 + eps)): statistic in fp32, cast to storage dtype before the weight (HF)."""
 
@@ -35,9 +64,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.to(torch.promote_types(x.dtype, torch.float32))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> Tensor:

@@ -104,10 +104,13 @@ def test_unroll_and_suffix_tiling_change_nothing():
     tiles only regroup tokens, whose sums are independent (equal to fp32 rounding of the reduction order)."""
     gen = fresh_generator()
     problem = _problem(9, 3, 5, 12, gen)  # prefix rows 3, 6 and suffix sites 7, 5, 3, 1: every remainder
-    base = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, unroll=1)
-    for unroll in (2, 4):
-        got = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, unroll=unroll)
-        assert all(torch.equal(a, b) for a, b in zip(got, base)), f"unroll {unroll} (seed {gen.initial_seed()})"
+    base = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, prefix_unroll=1,
+                             suffix_unroll=1)
+    for prefix, suffix in ((2, 2), (4, 4), (4, 1), (1, 2)):
+        got = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, prefix_unroll=prefix,
+                                suffix_unroll=suffix)
+        assert all(torch.equal(a, b) for a, b in zip(got, base)), (
+            f"unroll {prefix}/{suffix} (seed {gen.initial_seed()})")
     tiled = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, suffix_tokens=8,
                               suffix_warps=8)
     for name, a, b in zip(NAMES, tiled, base):
@@ -115,7 +118,8 @@ def test_unroll_and_suffix_tiling_change_nothing():
 
 
 @pytest.mark.parametrize("knobs,message", [
-    (dict(unroll=3), "unroll must be one of"),
+    (dict(prefix_unroll=3), "prefix_unroll must be one of"),
+    (dict(suffix_unroll=0), "suffix_unroll must be one of"),
     (dict(suffix_tokens=3), "power of two"),
     (dict(suffix_warps=-1), "suffix_warps"),
 ])
@@ -166,6 +170,30 @@ def test_second_backward_of_a_retained_graph():
     first = torch.autograd.grad(loss, (e, qq, gg), retain_graph=True)
     second = torch.autograd.grad(loss, (e, qq, gg))
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_forward_state_is_freed_by_the_backward_while_the_loss_lives():
+    """The graph's nodes keep the FullRouting object alive as long as `loss` is (a training loop's loss often
+    outlives its step): the source buffer, statistics and logits must go with the backward, not with the loss;
+    a retained graph keeps them for its second pass."""
+    import gc
+    import weakref
+
+    gen = fresh_generator()
+    emb, q, g, mats, dout = _problem(5, 1, 3, 8, gen)
+    e, qq, gg = leaf(emb.float(), q.float(), g.float())
+    for retain in (True, False):
+        routing = FullRouting(e, qq, gg, 2, chunk=2, group=2)
+        site_fn = lambda s, src: routing.route(s, src[-1], *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
+        loss = full_mode_loss(site_fn, e, qq, gg, [m.float() for m in mats], dout)
+        state = [weakref.ref(t) for t in routing.saved_state()]
+        torch.autograd.grad(loss, (e, qq, gg), retain_graph=retain)
+        gc.collect()
+        alive = [ref() is not None for ref in state]
+        assert alive == [retain] * 4, f"retain_graph={retain}: rows, r, lse, z alive = {alive}"
+        with pytest.raises(RuntimeError, match="released"):
+            routing.sources_view(2)
+        del loss, routing
 
 
 # ---------------------------------------------------------------------------- models
