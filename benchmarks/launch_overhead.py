@@ -58,8 +58,10 @@ def main() -> None:
     rows = [
         ("kernel[grid](...) (Triton's usual launch)", lambda: _noop[grid](*ptrs, *ints, **consts)),
         ("compiled kernel's launcher (all args, constexprs too)", lambda: runner(*ptrs, *ints, *consts.values())),
-        ("mhar_lit.kernels.launch.launch (our fast path)", lambda: launch(_noop, grid, *ptrs, *ints, num_warps=4,
-                                                                          **consts)),
+        ("mhar_lit launch(), key from the arguments", lambda: launch(_noop, grid, *ptrs, *ints, num_warps=4,
+                                                                     **consts)),
+        ("mhar_lit launch(), caller's key (FullRouting)", lambda: launch(_noop, grid, *ptrs, *ints, num_warps=4,
+                                                                         key=("site",), **consts)),
         ("torch.empty(2048 x 1280, bf16)", lambda: torch.empty(2048, 1280, dtype=torch.bfloat16, device="cuda")),
         ("autograd.Function.apply (view)", lambda: _Identity.apply(x)),
     ]

@@ -1,6 +1,7 @@
 """Time full training steps (forward + backward + fused AdamW) of each method at the paper's sizes.
 
-    python benchmarks/train_step.py [--sizes 100M 350M 1B] [--methods baseline mhar block hf] [--rounds 4 --steps 3]
+    python benchmarks/train_step.py [--sizes 100M 350M 1B] [--methods baseline mhar block hf]
+                                    [--rounds 4] [--steps 3]
 
 Per (size, method): bf16 parameters and compute (the paper's bf16-true), the paper's per-GPU microbatch
 (100M: 8 x 2048, 350M: 4 x 1024, 1B: 2 x 1024), fused AdamW, loss as in LanguageModel. Warm-up steps

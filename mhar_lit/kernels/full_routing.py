@@ -97,6 +97,10 @@ class FullRouting:
         self.k_b = 32 if self.k >= 32 else 16  # column slice of the tensor-core products
         self.prec = "ieee" if self.acc_t == torch.float64 else "tf32x3"  # fp32-accurate tensor-core dots
         self.param_dtypes = (query_SD.dtype, norm_weight_SD.dtype)
+        # Launch key (mhar_lit.kernels.launch): everything the kernels' specialisation depends on that is fixed
+        # for this object. Per launch only the constexprs and the alignment of tensors from outside change
+        # (every varying int is a do_not_specialize argument).
+        self._key = (self.shape, n, heads, eps, self.dtype, self.chunk, self.group, num_warps, tile_elements)
         with torch.no_grad():
             self.q_SD = query_SD.detach().to(self.acc_t).clone()
             self.g_SD = norm_weight_SD.detach().to(self.acc_t).clone()
@@ -164,6 +168,7 @@ class FullRouting:
             self.rows, self.z, m, l, acc, out_PD, self.lse,
             s0, site, site - s0, self.n_sites, self.p, d, self.heads, self.k,
             HAS_INIT=s0 > 0, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, num_warps=self.num_warps,
+            key=self._key,
         )
         self.next_site += 1
         if self.next_site == self.n_sites:
@@ -176,14 +181,16 @@ class FullRouting:
         p, d, n = self.p, self.shape[2], self.n_sites
         d_p = pow2(d)
         block_t = tile_tokens(d_p, self.tile)
+        source = source_BTD.contiguous()
         launch(kern._append_kernel, (triton.cdiv(p, block_t),),
-            source_BTD.contiguous(), self.rows, self.r, site, p, d, self.eps,
+            source, self.rows, self.r, site, p, d, self.eps,
             BLOCK_T=block_t, D_P=d_p, ACC=self.acc_tl, num_warps=self.num_warps,
+            key=(self._key, aligned(source)),
         )
         launch(kern._logits_kernel, (triton.cdiv(p, DOT_TOKENS), self.heads),
             self.rows, self.r, self.w_SD, self.z, site, n, p, d, self.heads, self.k,
             BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n - site), ACC=self.acc_tl, PREC=self.prec,
-            num_warps=4,
+            num_warps=4, key=self._key,
         )
 
     def _prefix(self, s0: int) -> None:
@@ -203,7 +210,7 @@ class FullRouting:
             self.rows, self.z, m, l, acc,
             s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
             C_P=c_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.prefix_unroll,
-            num_warps=self.num_warps,
+            num_warps=self.num_warps, key=self._key,
         )
 
     # ---------------------------------------------------------------- backward
@@ -261,24 +268,26 @@ class FullRouting:
             self.rows, self.lse, bw["S"], bw["dout"], self.z, bw["dl"], bw["part_dv"],
             g0, g_end - g0, g_end, self.n_sites, self.n_sites, self.p, d, self.heads, self.k,
             G_P=g_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.suffix_unroll, num_warps=warps,
+            key=self._key,
         )
 
     def _column(self, site: int, g0: int, g_end: int, out_BTD: Tensor, dout_BTD: Tensor) -> Tensor:
         """Finish source `site`: in-group pairs and value path, then the key path of all its pairs."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
         block_t = tile_tokens(self.k_p, self.tile)
+        dout = dout_BTD.to(self.dtype).contiguous()
         launch(kern._column_bwd_kernel, (triton.cdiv(p, block_t), self.heads),
-            self.rows, self.lse, bw["S"], bw["dout"], dout_BTD.to(self.dtype).contiguous(), out_BTD,
+            self.rows, self.lse, bw["S"], bw["dout"], dout, out_BTD,
             self.z, bw["dl"], bw["part_dv"], bw["dvp"], bw["c"],
             site, g_end, site - g0, n, p, d, self.heads, self.k,
             HAS_SUFFIX=g_end < n, BLOCK_T=block_t, K_P=self.k_p, S_P=dot_dim(n - g_end), ACC=self.acc_tl,
-            num_warps=self.num_warps,
+            num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
         )
         dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
         launch(kern._keypath_kernel, (triton.cdiv(p, DOT_TOKENS), self.heads),
             self.rows, self.r, self.w_SD, bw["dl"], bw["dvp"], bw["c"], dsrc_PD, site, n, p, d, self.heads, self.k,
             BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n - site), H_P=self.h_p, ACC=self.acc_tl,
-            PREC=self.prec, num_warps=4,
+            PREC=self.prec, num_warps=4, key=self._key,
         )
         return dsrc_PD
 
@@ -290,8 +299,14 @@ class FullRouting:
         launch(kern._query_grad_kernel, (blocks, self.heads, triton.cdiv(self.k, self.k_b)),
             self.rows, self.r, bw["dl"], a_part, n, p, d, self.heads, self.k,
             BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n), ACC=self.acc_tl, PREC=self.prec, num_warps=4,
+            key=self._key,
         )
         return a_part.sum(0)
+
+
+def aligned(x: Tensor) -> bool:
+    """Whether Triton sees this tensor's pointer as 16-byte aligned (it specialises on that)."""
+    return x.data_ptr() % 16 == 0
 
 
 def dot_dim(n: int) -> int:

@@ -17,10 +17,21 @@ pytest.importorskip("triton")
 from kernel_helpers import fresh_generator, full_mode_loss, leaf, rel, torch_site  # noqa: E402
 
 from mhar_lit.config import ModelConfig  # noqa: E402
+from mhar_lit.kernels import launch as fast_launch  # noqa: E402
 from mhar_lit.kernels.full_routing import FullRouting  # noqa: E402
 from mhar_lit.models.decoder import DecoderLM  # noqa: E402
 from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes  # noqa: E402
 from mhar_lit.routing import route  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def audit_launch_keys(monkeypatch):
+    """Every FullRouting launch key is checked against the full argument specialisation (launch.AUDIT): a key
+    that misses something Triton specialises on raises in any test here."""
+    monkeypatch.setattr(fast_launch, "AUDIT", True)
+    fast_launch.clear_cache()
+    yield
+    fast_launch.clear_cache()
 
 
 def _problem(n_sites, b, t, d, gen):
@@ -127,6 +138,45 @@ def test_bad_knobs_are_named(knobs, message):
     x = torch.zeros(1, 2, 4)
     with pytest.raises(ValueError, match=message):
         FullRouting(x, torch.ones(3, 4), torch.ones(3, 4), 2, **knobs)
+
+
+def test_misaligned_outside_tensors_route_the_same():
+    """Sources and output gradients that start off a 16-byte boundary (views into a larger buffer): Triton
+    compiles other kernels for them, so the launch keys must tell them apart (the audit fixture checks); the
+    results are those of aligned copies."""
+    gen = fresh_generator()
+    emb, q, g, mats, dout = _problem(6, 1, 3, 8, gen)
+
+    def misaligned(x):  # same values, data pointer 4 bytes past an aligned one
+        buf = torch.empty(x.numel() + 1, dtype=x.dtype)
+        view = buf[1:].view(x.shape)
+        view.copy_(x)
+        return view
+
+    class Shift(torch.autograd.Function):  # identity whose forward output and backward grad are misaligned
+        @staticmethod
+        def forward(ctx, x):
+            return misaligned(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return misaligned(grad)
+
+    results = []
+    for shift in (False, True):
+        e, qq, gg = leaf(emb.float(), q.float(), g.float())
+        routing = FullRouting(e, qq, gg, 2, chunk=2, group=2)
+
+        def site_fn(s, src):
+            odd = shift and s % 2 == 1
+            params = (qq, gg) if s == 0 else (None, None)
+            out = routing.route(s, Shift.apply(src[-1]) if odd else src[-1], *params)
+            return Shift.apply(out) if odd else out  # its backward hands the routing a misaligned dout
+
+        outputs = []
+        loss = full_mode_loss(site_fn, e, qq, gg, [m.float() for m in mats], dout, outputs)
+        results.append((outputs[0], *torch.autograd.grad(loss, (e, qq, gg))))
+    assert all(torch.equal(a, b) for a, b in zip(*results)), f"seed {gen.initial_seed()}"
 
 
 def test_float64_gradcheck():
