@@ -55,9 +55,14 @@ def main() -> None:
     compiled = _noop[grid](*ptrs, *ints, **consts)  # Triton returns the compiled kernel it launched
     runner = compiled[grid + (1,)]  # the compiled kernel's launcher reads grid[0..2]
     x = torch.empty(2048, 1280, device="cuda", requires_grad=True)
+    stream = torch.cuda.current_stream().cuda_stream
+    run = compiled.run  # the C launcher itself: the floor of any Python-side launch path
+    direct = lambda: run(*grid, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,  # noqa: E731
+                         *ptrs, *ints, *consts.values())
     rows = [
         ("kernel[grid](...) (Triton's usual launch)", lambda: _noop[grid](*ptrs, *ints, **consts)),
         ("compiled kernel's launcher (all args, constexprs too)", lambda: runner(*ptrs, *ints, *consts.values())),
+        ("compiled kernel's C launcher called directly", direct),
         ("mhar_lit launch(), key from the arguments", lambda: launch(_noop, grid, *ptrs, *ints, num_warps=4,
                                                                      **consts)),
         ("mhar_lit launch(), caller's key (FullRouting)", lambda: launch(_noop, grid, *ptrs, *ints, num_warps=4,
