@@ -71,9 +71,15 @@ def main() -> None:
         ("autograd.Function.apply (view)", lambda: _Identity.apply(x)),
     ]
     print(f"torch {torch.__version__}  triton {triton.__version__}  {torch.cuda.get_device_name()}")
+    from triton import knobs
+
+    from mhar_lit.kernels import launch as fast
+    print(f"  fast launch enabled: {fast.fast_launch_enabled()} (env {fast.ENABLED}, hooks "
+          f"{knobs.runtime.launch_enter_hook!r} / {knobs.runtime.launch_exit_hook!r}); Triton returned "
+          f"{type(compiled).__name__}; arg_names {getattr(_noop, 'arg_names', None)}")
     for name, fn in rows:
         try:  # the launcher's calling convention differs between Triton versions
-            print(f"  {host_us(fn):7.2f} us  {name}")
+            print(f"  {host_us(fn):7.2f} us  {name}  (kept kernels: {len(fast._compiled)})")
         except Exception as err:  # noqa: BLE001 - report and go on
             print(f"  failed: {type(err).__name__}: {str(err)[:150]}  {name}")
 

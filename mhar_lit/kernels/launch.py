@@ -39,11 +39,17 @@ _audited: dict[tuple, tuple] = {}
 _unspecialised_names: dict[Any, frozenset] = {}
 
 
+def no_hook(hook: Any) -> bool:
+    """Whether a Triton launch hook slot is empty: None (older Triton) or a HookChain without calls (3.5+,
+    where the slots are never None)."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
 def fast_launch_enabled() -> bool:
     if not ENABLED:
         return False
     from triton import knobs  # Triton >= 3.4; a GPU launch has imported triton already
-    return knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
+    return no_hook(knobs.runtime.launch_enter_hook) and no_hook(knobs.runtime.launch_exit_hook)
 
 
 def _unspecialised(kernel) -> frozenset:

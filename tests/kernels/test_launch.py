@@ -102,3 +102,16 @@ def test_interpreter_and_opt_out_use_the_ordinary_path():
     assert fast.env_enabled({})
     assert not fast.env_enabled({"TRITON_INTERPRET": "1"})
     assert not fast.env_enabled({"MHAR_FAST_LAUNCH": "0"})
+
+
+def test_an_installed_launch_hook_is_seen():
+    """Triton >= 3.5 keeps HookChain objects in its hook slots, never None: empty chains are no hook, a chain
+    with a call (a profiler) or a plain callable is one."""
+    assert fast.no_hook(None)
+    assert not fast.no_hook(lambda *args: None)
+    knobs = pytest.importorskip("triton.knobs")
+    chain = knobs.HookChain()
+    assert fast.no_hook(chain)
+    chain.add(lambda *args: None)
+    assert not fast.no_hook(chain)
+    assert fast.no_hook(knobs.runtime.launch_enter_hook) and fast.no_hook(knobs.runtime.launch_exit_hook)
