@@ -73,9 +73,28 @@ def setup(size: str, method: str, backend: str):
     return model, opt
 
 
-def train_step(model, opt, method: str, batch: torch.Tensor) -> torch.Tensor:
+class _Loss(torch.nn.Module):
+    """Model and loss as one module, for torch.cuda.make_graphed_callables (inputs and targets as arguments)."""
+
+    def __init__(self, model, method: str) -> None:
+        super().__init__()
+        self.model, self.method = model, method
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(self.model, self.method, torch.cat([inputs, targets[:, -1:]], dim=1))
+
+
+def graph_loss(model, method: str, batch: torch.Tensor):
+    """Forward and backward of model + loss captured as CUDA graphs (one replay each per step: no per-kernel
+    host cost); returns a callable batch -> loss."""
+    inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+    graphed = torch.cuda.make_graphed_callables(_Loss(model, method), (inputs, targets))
+    return lambda b: graphed(b[:, :-1].contiguous(), b[:, 1:].contiguous())
+
+
+def train_step(model, opt, method: str, batch: torch.Tensor, graphed=None) -> torch.Tensor:
     """One full step: forward, backward, clip, optimizer step; returns the loss."""
-    loss = loss_fn(model, method, batch)
+    loss = graphed(batch) if graphed is not None else loss_fn(model, method, batch)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -83,16 +102,17 @@ def train_step(model, opt, method: str, batch: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def _timed_step(model, opt, method: str, batch: torch.Tensor) -> tuple[float, torch.Tensor]:
+def _timed_step(model, opt, method: str, batch: torch.Tensor, graphed=None) -> tuple[float, torch.Tensor]:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    loss = train_step(model, opt, method, batch)
+    loss = train_step(model, opt, method, batch, graphed)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end), loss.detach()
 
 
-def time_size(size: str, methods: list[str], rounds: int, steps: int, warmup: int, backend: str) -> list[dict]:
+def time_size(size: str, methods: list[str], rounds: int, steps: int, warmup: int, backend: str,
+              cuda_graph: bool = False) -> list[dict]:
     """All methods of one size resident at once, timed in interleaved rounds (`steps` steps of each method per
     round), so that every method sees the same host conditions: these steps are host-bound and the host's
     speed drifts by 10-20% between and within runs. Peak memory is each method's own: the peak during its
@@ -105,9 +125,11 @@ def time_size(size: str, methods: list[str], rounds: int, steps: int, warmup: in
             model, opt = setup(size, method, backend)
             batches = [torch.randint(0, model.config.vocab_size, (b, t + 1), device="cuda") for _ in range(4)]
             torch.cuda.reset_peak_memory_stats()
+            graphed = graph_loss(model, method, batches[0]) if cuda_graph else None
             for step in range(warmup):
-                _, loss = _timed_step(model, opt, method, batches[step % 4])
+                _, loss = _timed_step(model, opt, method, batches[step % 4], graphed)
             runs[method] = {"model": model, "opt": opt, "batches": batches, "times": [], "peak": 0,
+                            "graphed": graphed,
                             "resident": torch.cuda.memory_allocated() - before,
                             "warmup_peak": torch.cuda.max_memory_allocated() - before, "loss": float(loss)}
         except Exception as err:  # record and continue: one failing method must not hide the others
@@ -119,7 +141,8 @@ def time_size(size: str, methods: list[str], rounds: int, steps: int, warmup: in
         for method, run in runs.items():
             torch.cuda.reset_peak_memory_stats()
             for _ in range(steps):
-                ms, loss = _timed_step(run["model"], run["opt"], method, run["batches"][len(run["times"]) % 4])
+                ms, loss = _timed_step(run["model"], run["opt"], method, run["batches"][len(run["times"]) % 4],
+                                       run["graphed"])
                 run["times"].append(ms)
             others = total_resident - run["resident"]
             run["peak"] = max(run["peak"], torch.cuda.max_memory_allocated() - others)
@@ -144,11 +167,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps of each method per round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--backend", default="triton")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="capture forward+backward of model and loss as CUDA graphs (an experiment: removes the "
+                             "per-kernel host cost that makes these steps host-bound)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = []
     for size in args.sizes:
-        for r in time_size(size, args.methods, args.rounds, args.steps, args.warmup, args.backend):
+        for r in time_size(size, args.methods, args.rounds, args.steps, args.warmup, args.backend,
+                           args.cuda_graph):
             results.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "step_ms_all"}), flush=True)
     base = {r["size"]: r for r in results if r["method"] == "baseline" and "error" not in r}
@@ -162,7 +189,8 @@ def main() -> None:
         "benchmark": "train_step", "date": dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "routing_backend": args.backend, "results": results,
+        "python": platform.python_version(), "routing_backend": args.backend, "cuda_graph": args.cuda_graph,
+        "results": results,
     }
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"train_step_{dt.date.today()}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
