@@ -53,9 +53,11 @@ DOT_TOKENS = 64  # tokens per program of the tensor-core kernels (logits, key pa
 UNROLL_CHOICES = (1, 2, 4)
 # Rows (prefix) / sites (suffix) whose loads the O(L^2) loops issue together. H200, 2026-12-02: unrolling by 4
 # sped the prefix kernels up at every shape (1B: 2.88 -> 2.64 ms) but slowed the suffix kernels down at 1B
-# (5.75 -> 10.80 ms: 255 registers with spills), so the two passes have separate knobs.
+# (5.75 -> 10.80 ms: 255 registers with spills), so the two passes have separate knobs. The suffix's default
+# (0) picks by head width: 4 up to 64 padded columns (100M, K 64: suffix 4.71 -> 3.72 ms; routing 13.5 ->
+# 11.2 ms on 2026-12-03), 1 above (350M, K 128: 11.5 vs 16.9 ms with 4).
 DEFAULT_PREFIX_UNROLL = 4
-DEFAULT_SUFFIX_UNROLL = 1
+DEFAULT_SUFFIX_UNROLL = 0
 
 
 class FullRouting:
@@ -77,9 +79,11 @@ class FullRouting:
             raise ValueError(f"hidden size {d} is not divisible by the number of routing heads {heads}")
         if chunk < 1 or group < 1:
             raise ValueError(f"chunk ({chunk}) and group ({group}) must be >= 1")
-        for name, unroll in (("prefix_unroll", prefix_unroll), ("suffix_unroll", suffix_unroll)):
-            if unroll not in UNROLL_CHOICES:
-                raise ValueError(f"{name} must be one of {UNROLL_CHOICES}, got {unroll}")
+        if prefix_unroll not in UNROLL_CHOICES:
+            raise ValueError(f"prefix_unroll must be one of {UNROLL_CHOICES}, got {prefix_unroll}")
+        if suffix_unroll not in (0, *UNROLL_CHOICES):
+            raise ValueError(f"suffix_unroll must be one of {(0, *UNROLL_CHOICES)} (0: by head width), "
+                             f"got {suffix_unroll}")
         if suffix_tokens < 0 or suffix_tokens & (suffix_tokens - 1) or suffix_warps < 0:
             raise ValueError(f"suffix_tokens ({suffix_tokens}) must be 0 (automatic) or a power of two, "
                              f"suffix_warps ({suffix_warps}) 0 (automatic) or positive")
@@ -88,7 +92,8 @@ class FullRouting:
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
         self.chunk, self.group, self.num_warps = min(chunk, n), min(group, n), num_warps
         self.tile = tile_elements  # register tile size: fixes tokens per program (tile_tokens)
-        self.prefix_unroll, self.suffix_unroll = prefix_unroll, suffix_unroll
+        self.prefix_unroll = prefix_unroll
+        self.suffix_unroll = suffix_unroll or (4 if pow2(d // heads) <= 64 else 1)
         self.suffix_tokens, self.suffix_warps = suffix_tokens, suffix_warps
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)

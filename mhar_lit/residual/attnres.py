@@ -69,6 +69,12 @@ class RoutedResidual(ResidualStrategy):
         return {"key_norm"}
 
     def route_sources(self, sources: list[Tensor], site: int) -> Tensor:
+        if self.backend == "triton":  # the stack is rebuilt in the backward, not saved (route_triton_list)
+            from mhar_lit.kernels.routing_triton import route_triton_list
+
+            if self.record_weights:
+                self.record(torch.stack(sources), site)
+            return route_triton_list(sources, self.query[site], self.key_norm[site], self.heads, self.eps)
         stacked = torch.stack(sources) if len(sources) > 1 else sources[0].unsqueeze(0)
         if self.record_weights:
             self.record(stacked, site)

@@ -47,3 +47,25 @@ def full_mode_loss(routing_fn, emb, q_SD, g_SD, mats, dout, outputs=None):
 
 def torch_site(q_SD, g_SD, heads):
     return lambda s, sources: route(torch.stack(sources), q_SD[s], g_SD[s], heads)
+
+
+def query_grad_rounding_scale(sources, query, norm_weight, heads, dout, eps=1e-6):
+    """||A_abs|| / ||A||, A = dL/dq / g = sum over tokens and sources of dl * kr (float64): how much the fp32
+    rounding of the terms' parts is amplified by cancellation in dq (and dg = A q). dl = p (<dout, v> - S)
+    subtracts two dot products of similar size, so A_abs sums p (|dout . v|_abs + |dout . out|_abs) |kr|
+    with |x . y|_abs = sum |x_i y_i|. Draws where A nearly cancels get a proportionally wider tolerance."""
+    from mhar_lit.routing import route_reference, routing_weights
+
+    s, q, g, d = (x.double() for x in (sources, query, norm_weight, dout))
+    n, b, t, dim = s.shape
+    k = dim // heads
+    p = routing_weights(s, q, g, heads, eps)  # [N, B, T, H]
+    out = route_reference(s, q, g, heads, eps)
+    kr = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    split = lambda x: x.reshape(*x.shape[:-1], heads, k)  # noqa: E731
+    dv_abs = (split(d).abs() * split(s).abs()).sum(-1)  # [N, B, T, H]
+    dout_abs = (split(d).abs() * split(out).abs()).sum(-1)  # [B, T, H]
+    dl = p * ((split(d) * split(s)).sum(-1) - (split(d) * split(out)).sum(-1))
+    a = (dl.unsqueeze(-1) * split(kr)).sum((0, 1, 2)).flatten()
+    a_abs = (p * (dv_abs + dout_abs)).unsqueeze(-1).mul(split(kr).abs()).sum((0, 1, 2)).flatten()
+    return (a_abs.norm() / a.norm().clamp_min(1e-300)).item()

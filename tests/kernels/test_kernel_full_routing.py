@@ -130,7 +130,7 @@ def test_unroll_and_suffix_tiling_change_nothing():
 
 @pytest.mark.parametrize("knobs,message", [
     (dict(prefix_unroll=3), "prefix_unroll must be one of"),
-    (dict(suffix_unroll=0), "suffix_unroll must be one of"),
+    (dict(suffix_unroll=3), "suffix_unroll must be one of"),
     (dict(suffix_tokens=3), "power of two"),
     (dict(suffix_warps=-1), "suffix_warps"),
 ])

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_helpers import fresh_generator, leaf, random_case, rel  # noqa: E402
+from kernel_helpers import fresh_generator, leaf, query_grad_rounding_scale, random_case, rel  # noqa: E402
 
 from mhar_lit.routing import route  # noqa: E402
 
@@ -43,9 +43,15 @@ def test_fp32_forward_and_gradients_match_float64_reference(shape):
     dout = torch.randn(b, t, d, generator=gen, dtype=torch.float64)
     ref = _grads(sources, q, g, h, dout, "torch")
     got = _grads(sources.float(), q.float(), g.float(), h, dout, "triton")
+    # dq and dg sum dl * kr over tokens and sources, and dl = p (<dout, v> - <dout, out>) cancels: on about 1%
+    # of draws at these tiny shapes the sum cancels so far that fp32 rounding of its parts reaches 2-3e-5
+    # (the fp32 PyTorch reference too). Their tolerance widens with the draw's measured cancellation:
+    # 2 u ||sum |terms| || / ||sum terms|| (u = 2^-24), never below 1e-5.
+    widened = max(1e-5, 2 * 2**-24 * query_grad_rounding_scale(sources, q, g, h, dout))
     for name, a, r in zip(("out", "d_sources", "d_query", "d_norm_weight"), got, ref):
         assert a.dtype == torch.float32
-        assert rel(a, r) <= 1e-5, f"{name}: rel err {rel(a, r):.2e} (seed {gen.initial_seed()})"
+        tol = widened if name in ("d_query", "d_norm_weight") else 1e-5
+        assert rel(a, r) <= tol, f"{name}: rel err {rel(a, r):.2e}, tol {tol:.1e} (seed {gen.initial_seed()})"
 
 
 def test_float64_gradcheck():
@@ -102,3 +108,28 @@ def test_bad_arguments_raise():
         from mhar_lit.kernels.routing_triton import route_triton
 
         route_triton(sources.to(torch.int32), torch.randn(12), torch.ones(12), 2)
+
+
+def test_list_entry_equals_stacked_entry_and_saves_no_stack():
+    """route_triton_list (block and delta mode) is route_triton on the stack, bitwise, forward and every
+    gradient, with mixed source dtypes (autocast: an fp32 embedding among bf16 outputs) too; it saves the
+    sources it was given, never a stacked [N, B, T, D] copy."""
+    from mhar_lit.kernels.routing_triton import route_triton_list
+
+    gen = fresh_generator()
+    stacked, q, g = random_case(4, 2, 3, 12, torch.float32, gen)
+    dout = torch.randn(2, 3, 12, generator=gen)
+    for dtypes in ((torch.float32,) * 4, (torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16)):
+        parts = [leaf(stacked[i].to(dt))[0] for i, dt in enumerate(dtypes)]
+        qq, gg = leaf(q, g)
+        out = route_triton_list(parts, qq, gg, 3)
+        saved = out.grad_fn.saved_tensors
+        assert not any(t.dim() == 4 or t.numel() >= stacked.numel() for t in saved), [t.shape for t in saved]
+        got = (out, *torch.autograd.grad(out, (*parts, qq, gg), dout))
+        ps, qr, gr = leaf(torch.stack([p.detach() for p in parts]), q, g)
+        ref_out = route(ps, qr, gr, 3, backend="triton")
+        d_ps, d_q, d_g = torch.autograd.grad(ref_out, (ps, qr, gr), dout)
+        ref = (ref_out, *[d_ps[i].to(dt) for i, dt in enumerate(dtypes)], d_q, d_g)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), f"{dtypes} (seed {gen.initial_seed()})"
+    with pytest.raises(ValueError, match="one shape"):
+        route_triton_list([stacked[0], stacked[1, :, :2]], q, g, 3)
