@@ -60,6 +60,9 @@ class LanguageModel(L.LightningModule):
         grad_clip: global-norm clipping (0 disables); the pre-clip norm is logged as train/grad_norm.
         z_loss: weight of mean(logsumexp(logits)^2) (0 disables).
         activation_checkpointing: recompute sublayers in backward. compile: torch.compile the decoder.
+        cuda_graph: capture the training forward and backward as CUDA graphs at the first batch (removes the
+            per-kernel host cost that makes the paper's microbatches host-bound; needs CUDA, precision
+            "bf16-true" or "32-true", one device; see mhar_lit.lit.cuda_graph).
         tail_k: number of last validations averaged into val/tail_mean (the paper's metric uses 11).
         init_from: a directory written by `python -m mhar_lit convert` or a .safetensors file to start from.
     """
@@ -81,6 +84,7 @@ class LanguageModel(L.LightningModule):
         z_loss: float = 0.0,
         activation_checkpointing: bool = False,
         compile: bool = False,
+        cuda_graph: bool = False,
         tail_k: int = 11,
         init_from: Optional[str] = None,
     ) -> None:
@@ -97,6 +101,13 @@ class LanguageModel(L.LightningModule):
         self.model.activation_checkpointing = activation_checkpointing
         self.val_loss = MeanMetric(nan_strategy="error")
         self.val_history: list[float] = []
+        if compile and cuda_graph:
+            raise ValueError("compile and cuda_graph are alternatives: set one of them")
+        self._graphed_loss = None
+        if cuda_graph:
+            from mhar_lit.lit.cuda_graph import GraphedLoss
+
+            self._graphed_loss = GraphedLoss()
         if compile:
             self.model.compile()  # in place: no second module path in the state dict, hooks (FSDP) still run
 
@@ -113,11 +124,15 @@ class LanguageModel(L.LightningModule):
         return ce, z, targets.numel()
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        ce, z, _ = self._loss(batch)
+        if self._graphed_loss is not None:
+            ce, z = self._graphed_loss(self, batch)
+        else:
+            ce, z, _ = self._loss(batch)
         loss = ce + self.hparams.z_loss * z
-        self.log("train/loss", ce, prog_bar=True, sync_dist=True)  # the global mean under DDP
+        # logged values are copies: a captured graph's outputs are overwritten by its next replay
+        self.log("train/loss", ce.detach().clone(), prog_bar=True, sync_dist=True)  # the global mean under DDP
         if self.hparams.z_loss:
-            self.log("train/z_loss", z)
+            self.log("train/z_loss", z.detach().clone())
         return loss
 
     def on_validation_epoch_start(self) -> None:

@@ -1,0 +1,66 @@
+"""LanguageModel(cuda_graph=True) on the CPU: the checks that refuse what cannot be captured, and the wiring
+(captured callable used for the batches of the captured shape, eager for others with a warning, logged
+values copied off the graph's static outputs) with make_graphed_callables replaced by a stand-in that
+records its inputs. The capture itself needs a GPU: benchmarks/graph_fit_check.py runs real fits there."""
+
+import lightning as L
+import pytest
+import torch
+
+from mhar_lit.lit import cuda_graph
+from mhar_lit.lit.module import LanguageModel
+from mhar_lit.residual import FullAttnRes
+
+
+def _fit(module, batches, **trainer_kwargs):
+    trainer = L.Trainer(accelerator="cpu", max_steps=len(batches), logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, **trainer_kwargs)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    return trainer
+
+
+def test_cpu_run_is_refused_with_every_reason():
+    module = LanguageModel(size="tiny", cuda_graph=True, activation_checkpointing=True, warmup_steps=1)
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device.*activation_checkpointing is on"):
+        _fit(module, [torch.randint(0, 256, (2, 9))])
+
+
+def test_compile_and_cuda_graph_are_alternatives():
+    with pytest.raises(ValueError, match="alternatives"):
+        LanguageModel(size="tiny", cuda_graph=True, compile=True)
+
+
+def test_autocast_is_refused():
+    module = LanguageModel(size="tiny", cuda_graph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="autocast is active"):
+        cuda_graph.check_supported(module)
+
+
+def test_captured_callable_serves_its_shape_and_other_shapes_run_eagerly(monkeypatch):
+    captured = []
+
+    def fake_make_graphed_callables(loss_module, sample_args, allow_unused_input=False):
+        captured.append(tuple(a.shape for a in sample_args))
+        calls = []
+
+        def graphed(inputs, targets):
+            calls.append(inputs.shape)
+            return loss_module(inputs, targets)
+        graphed.calls = calls
+        return graphed
+
+    monkeypatch.setattr(cuda_graph, "check_supported", lambda module: None)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_make_graphed_callables)
+    torch.manual_seed(0)
+    module = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), cuda_graph=True, z_loss=1e-4,
+                           warmup_steps=1)
+    eager = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, warmup_steps=1)
+    eager.load_state_dict(module.state_dict())
+    batches = [torch.randint(0, 256, (2, 9)) for _ in range(3)] + [torch.randint(0, 256, (1, 9))]
+    with pytest.warns(UserWarning, match="run eagerly"):
+        _fit(module, batches)
+    _fit(eager, batches)
+    assert captured == [((2, 8), (2, 8))]
+    assert module._graphed_loss.graphed.calls == [(2, 8)] * 3 and module._graphed_loss.eager_batches == 1
+    for (name, p), (_, q) in zip(module.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)  # the same training, step for step
