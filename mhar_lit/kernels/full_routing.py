@@ -102,10 +102,11 @@ class FullRouting:
         self.k_b = 32 if self.k >= 32 else 16  # column slice of the tensor-core products
         self.prec = "ieee" if self.acc_t == torch.float64 else "tf32x3"  # fp32-accurate tensor-core dots
         self.param_dtypes = (query_SD.dtype, norm_weight_SD.dtype)
-        # Launch key (mhar_lit.kernels.launch): everything the kernels' specialisation depends on that is fixed
-        # for this object. Per launch only the constexprs and the alignment of tensors from outside change
-        # (every varying int is a do_not_specialize argument).
-        self._key = (self.shape, n, heads, eps, self.dtype, self.chunk, self.group, num_warps, tile_elements)
+        # Launch key (mhar_lit.kernels.launch): the runtime arguments that are fixed for this object (sizes,
+        # dtypes; chunk, group, tile and warps reach the kernels only as constexprs or num_warps, which the
+        # launch adds). Per launch only the alignment of tensors from outside changes (every varying int is a
+        # do_not_specialize argument).
+        self._key = (self.shape, n, heads, eps, self.dtype)
         with torch.no_grad():
             self.q_SD = query_SD.detach().to(self.acc_t).clone()
             self.g_SD = norm_weight_SD.detach().to(self.acc_t).clone()

@@ -45,11 +45,17 @@ def no_hook(hook: Any) -> bool:
     return hook is None or getattr(hook, "calls", None) == []
 
 
+_runtime_knobs = None
+
+
 def fast_launch_enabled() -> bool:
+    global _runtime_knobs
     if not ENABLED:
         return False
-    from triton import knobs  # Triton >= 3.4; a GPU launch has imported triton already
-    return no_hook(knobs.runtime.launch_enter_hook) and no_hook(knobs.runtime.launch_exit_hook)
+    if _runtime_knobs is None:  # imported once, not on every launch (Triton >= 3.4)
+        from triton import knobs
+        _runtime_knobs = knobs.runtime
+    return no_hook(_runtime_knobs.launch_enter_hook) and no_hook(_runtime_knobs.launch_exit_hook)
 
 
 def _unspecialised(kernel) -> frozenset:
@@ -86,9 +92,14 @@ def argument_key(kernel, num_warps: int, args: tuple, constexprs: dict) -> tuple
             *(_arg_key(a, names[i] not in skip) for i, a in enumerate(args)))
 
 
+def _caller_key(kernel, num_warps: int, key: tuple, constexprs: dict) -> tuple:
+    """A caller's key completed with what changes between its launches: num_warps and the constexprs."""
+    return (kernel, num_warps, key, *constexprs.values())
+
+
 def _audit(kernel, key: tuple, num_warps: int, args: tuple, constexprs: dict) -> None:
     full = argument_key(kernel, num_warps, args, constexprs)
-    seen = _audited.setdefault((kernel, num_warps, key, *constexprs.values()), full)  # as the launch key
+    seen = _audited.setdefault(_caller_key(kernel, num_warps, key, constexprs), full)
     if seen != full:
         raise RuntimeError(f"fast launch: caller key {key} of {getattr(kernel, '__name__', kernel)} met two "
                            f"argument specialisations:\n  {seen}\n  {full}\nthe key misses something Triton "
@@ -108,7 +119,7 @@ def launch(kernel, grid: tuple, *args: Any, num_warps: int, key: tuple | None = 
     if key is None:
         full_key = (kernel, device, argument_key(kernel, num_warps, args, constexprs))
     else:
-        full_key = (kernel, device, num_warps, key, *constexprs.values())
+        full_key = (device, *_caller_key(kernel, num_warps, key, constexprs))
     entry = _compiled.get(full_key)
     if entry is None:
         compiled = kernel[grid](*args, num_warps=num_warps, **constexprs)

@@ -105,31 +105,38 @@ def _launch_backward(rows_NPD: Tensor, r_NP: Tensor, w_1D: Tensor, lse_PH: Tenso
     return dsrc_NPD, a_part.sum(0)
 
 
+def _forward(ctx, rows_NPD: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float):
+    """Forward of both autograd entries: (out_PD, r_NP, lse_PH, q, g); keeps heads and parameter dtypes on ctx."""
+    acc_t, _ = accumulator(rows_NPD.dtype)
+    q, g = query.detach().to(acc_t), norm_weight.detach().to(acc_t)
+    out_PD, r_NP, lse_PH = _launch_forward(rows_NPD, (q * g).view(1, -1).contiguous(), heads, eps)
+    ctx.heads, ctx.param_dtypes = heads, (query.dtype, norm_weight.dtype)
+    return out_PD, r_NP, lse_PH, q, g
+
+
+def _backward(ctx, rows_NPD: Tensor, r_NP: Tensor, lse_PH: Tensor, out_PD: Tensor, q: Tensor, g: Tensor,
+              dout_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of both autograd entries: (d rows [N, P, D], d query, d norm_weight)."""
+    dout_PD = dout_BTD.to(rows_NPD.dtype).contiguous().view(out_PD.shape)
+    dsrc_NPD, a_D = _launch_backward(rows_NPD, r_NP, (q * g).view(1, -1), lse_PH, out_PD, dout_PD, ctx.heads)
+    return dsrc_NPD, (a_D * g).to(ctx.param_dtypes[0]), (a_D * q).to(ctx.param_dtypes[1])
+
+
 class _RouteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float) -> Tensor:
         n, b, t, d = sources.shape
-        acc_t, _ = accumulator(sources.dtype)
         rows_NPD = sources.contiguous().view(n, b * t, d)
-        q, g = query.detach().to(acc_t), norm_weight.detach().to(acc_t)
-        w_1D = (q * g).view(1, d).contiguous()
-        out_PD, r_NP, lse_PH = _launch_forward(rows_NPD, w_1D, heads, eps)
+        out_PD, r_NP, lse_PH, q, g = _forward(ctx, rows_NPD, query, norm_weight, heads, eps)
         ctx.save_for_backward(rows_NPD, r_NP, lse_PH, out_PD, q, g)
-        ctx.heads, ctx.shape = heads, (n, b, t, d)
-        ctx.param_dtypes = (query.dtype, norm_weight.dtype)
         return out_PD.view(b, t, d)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout_BTD: Tensor):
-        rows_NPD, r_NP, lse_PH, out_PD, q, g = ctx.saved_tensors
-        n, b, t, d = ctx.shape
-        w_1D = (q * g).view(1, d)
-        dout_PD = dout_BTD.to(rows_NPD.dtype).contiguous().view(b * t, d)
-        dsrc_NPD, a_D = _launch_backward(rows_NPD, r_NP, w_1D, lse_PH, out_PD, dout_PD, ctx.heads)
-        dq = (a_D * g).to(ctx.param_dtypes[0])
-        dg = (a_D * q).to(ctx.param_dtypes[1])
-        return dsrc_NPD.view(n, b, t, d), dq, dg, None, None
+        rows_NPD, *saved = ctx.saved_tensors
+        dsrc_NPD, dq, dg = _backward(ctx, rows_NPD, *saved, dout_BTD)
+        return dsrc_NPD.view(rows_NPD.shape[0], *dout_BTD.shape), dq, dg, None, None
 
 
 class _RouteListFunction(torch.autograd.Function):
@@ -140,26 +147,26 @@ class _RouteListFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query: Tensor, norm_weight: Tensor, heads: int, eps: float, *sources: Tensor) -> Tensor:
         b, t, d = sources[0].shape
-        n = len(sources)
-        rows_NPD = torch.stack(sources).view(n, b * t, d)
-        acc_t, _ = accumulator(rows_NPD.dtype)
-        q, g = query.detach().to(acc_t), norm_weight.detach().to(acc_t)
-        out_PD, r_NP, lse_PH = _launch_forward(rows_NPD, (q * g).view(1, d).contiguous(), heads, eps)
+        rows_NPD = torch.stack(sources).view(len(sources), b * t, d)
+        out_PD, r_NP, lse_PH, q, g = _forward(ctx, rows_NPD, query, norm_weight, heads, eps)
         ctx.save_for_backward(r_NP, lse_PH, out_PD, q, g, *sources)
-        ctx.heads, ctx.shape, ctx.param_dtypes = heads, (n, b, t, d), (query.dtype, norm_weight.dtype)
         return out_PD.view(b, t, d)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout_BTD: Tensor):
         r_NP, lse_PH, out_PD, q, g, *sources = ctx.saved_tensors
-        n, b, t, d = ctx.shape
-        rows_NPD = torch.stack(sources).view(n, b * t, d)
-        dout_PD = dout_BTD.to(rows_NPD.dtype).contiguous().view(b * t, d)
-        dsrc_NPD, a_D = _launch_backward(rows_NPD, r_NP, (q * g).view(1, d), lse_PH, out_PD, dout_PD, ctx.heads)
+        rows_NPD = torch.stack(sources).view(len(sources), *out_PD.shape)
+        dsrc_NPD, dq, dg = _backward(ctx, rows_NPD, r_NP, lse_PH, out_PD, q, g, dout_BTD)
         del rows_NPD
-        dsrc = [dsrc_NPD[i].view(b, t, d).to(src.dtype) for i, src in enumerate(sources)]
-        return ((a_D * g).to(ctx.param_dtypes[0]), (a_D * q).to(ctx.param_dtypes[1]), None, None, *dsrc)
+        return dq, dg, None, None, *(dsrc_NPD[i].view_as(src).to(src.dtype) for i, src in enumerate(sources))
+
+
+def _check_params(d: int, query: Tensor, norm_weight: Tensor, heads: int) -> None:
+    if d % heads != 0:
+        raise ValueError(f"hidden size {d} is not divisible by the number of routing heads {heads}")
+    if query.shape != (d,) or norm_weight.shape != (d,):
+        raise ValueError(f"query {tuple(query.shape)} and norm_weight {tuple(norm_weight.shape)} must be ({d},)")
 
 
 def route_triton_list(sources: list[Tensor], query: Tensor, norm_weight: Tensor, heads: int,
@@ -169,11 +176,7 @@ def route_triton_list(sources: list[Tensor], query: Tensor, norm_weight: Tensor,
     if not sources or any(s.shape != sources[0].shape or s.dim() != 3 for s in sources):
         raise ValueError(f"sources must be a non-empty list of [B, T, D] tensors of one shape, got "
                          f"{[tuple(s.shape) for s in sources]}")
-    d = sources[0].shape[-1]
-    if d % heads != 0:
-        raise ValueError(f"hidden size {d} is not divisible by the number of routing heads {heads}")
-    if query.shape != (d,) or norm_weight.shape != (d,):
-        raise ValueError(f"query {tuple(query.shape)} and norm_weight {tuple(norm_weight.shape)} must be ({d},)")
+    _check_params(sources[0].shape[-1], query, norm_weight, heads)
     dtype = sources[0].dtype
     for s in sources[1:]:  # the dtype torch.stack gives mixed sources (autocast: fp32 embedding, bf16 outputs)
         dtype = torch.promote_types(dtype, s.dtype)
@@ -186,11 +189,7 @@ def route_triton(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int
     """Fused multi-head routing; sources [N, B, T, D], query and norm_weight [D] -> [B, T, D] (see module doc)."""
     if sources.dim() != 4:
         raise ValueError(f"sources must be [N, B, T, D], got shape {tuple(sources.shape)}")
-    d = sources.shape[-1]
-    if d % heads != 0:
-        raise ValueError(f"hidden size {d} is not divisible by the number of routing heads {heads}")
-    if query.shape != (d,) or norm_weight.shape != (d,):
-        raise ValueError(f"query {tuple(query.shape)} and norm_weight {tuple(norm_weight.shape)} must be ({d},)")
+    _check_params(sources.shape[-1], query, norm_weight, heads)
     check_storage_dtype(sources.dtype)
     check_device(sources, query, norm_weight)
     return _RouteFunction.apply(sources, query, norm_weight, heads, eps)

@@ -8,8 +8,9 @@ clipping and logging stay eager.
 
 What capture needs, checked at the first training batch (each a clear error, never a silent eager run):
 CUDA; no autocast (use precision "bf16-true" or "32-true": autocast's weight cache cannot be captured);
-no activation checkpointing and no torch.compile of the decoder; one process (DDP/FSDP with graphs are not
-tested here); no routing-weight recording inside the training forward (monitors run their own eager pass).
+no activation checkpointing (torch.compile is refused by the constructor already); one process (DDP/FSDP
+with graphs are not tested here); no routing-weight recording inside the training forward (monitors run
+their own eager pass).
 A batch of another shape than the first (a last partial batch) runs eagerly on the same parameters, with
 a warning the first time: same function, just not replayed.
 """
@@ -48,8 +49,6 @@ def check_supported(module) -> None:
         problems.append("autocast is active (precision '*-mixed'): use precision 'bf16-true' or '32-true'")
     if module.model.activation_checkpointing:
         problems.append("activation_checkpointing is on")
-    if module.hparams.compile:
-        problems.append("compile is on (torch.compile and cuda_graph are alternatives)")
     if module._trainer is not None and module.trainer.world_size > 1:
         problems.append(f"{module.trainer.world_size} processes: cuda_graph is tested on one device only")
     if getattr(module.model.residual, "record_weights", False):
