@@ -6,7 +6,8 @@
 Per (size, method): bf16 parameters and compute (the paper's bf16-true), the paper's per-GPU microbatch
 (100M: 8 x 2048, 350M: 4 x 1024, 1B: 2 x 1024), fused AdamW, loss as in LanguageModel. Warm-up steps
 first, then CUDA-event timing of each step, the methods of a size interleaved in rounds (see time_size);
-reports median ms/step, tokens/s, peak memory and the ratio to our baseline measured in the same process. "hf" is transformers' Qwen3ForCausalLM of the same shape.
+reports median ms/step, tokens/s, peak memory and the ratio to our baseline measured in the same process.
+"hf" is transformers' Qwen3ForCausalLM of the same shape.
 Writes JSON (device, versions, date, command) and prints a table last.
 """
 
@@ -124,14 +125,12 @@ def time_size(size: str, methods: list[str], rounds: int, steps: int, warmup: in
             before = torch.cuda.memory_allocated()
             model, opt = setup(size, method, backend)
             batches = [torch.randint(0, model.config.vocab_size, (b, t + 1), device="cuda") for _ in range(4)]
-            torch.cuda.reset_peak_memory_stats()
             graphed = graph_loss(model, method, batches[0]) if cuda_graph else None
             for step in range(warmup):
                 _, loss = _timed_step(model, opt, method, batches[step % 4], graphed)
             runs[method] = {"model": model, "opt": opt, "batches": batches, "times": [], "peak": 0,
                             "graphed": graphed,
-                            "resident": torch.cuda.memory_allocated() - before,
-                            "warmup_peak": torch.cuda.max_memory_allocated() - before, "loss": float(loss)}
+                            "resident": torch.cuda.memory_allocated() - before, "loss": float(loss)}
         except Exception as err:  # record and continue: one failing method must not hide the others
             failed.append({"size": size, "method": method, "error": f"{type(err).__name__}: {err}"})
             gc.collect()
