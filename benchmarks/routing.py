@@ -154,6 +154,36 @@ def time_variant(prob, variant, compiled, options, warmup, reps):
     return statistics.median(times), times
 
 
+def time_graphed(prob, options, warmup, reps):
+    """The chunked Triton routing's forward + backward captured once in a CUDA graph and replayed: kernel time
+    without the host's launch cost (what LanguageModel(cuda_graph=True) runs). Median of reps replays."""
+    leaves = [y.detach().requires_grad_() for y in prob["ys"]] + [
+        prob["q"].detach().requires_grad_(), prob["g"].detach().requires_grad_()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph requires
+        for _ in range(warmup):
+            run_once(prob, "triton", leaves=leaves, options=options)
+    torch.cuda.current_stream().wait_stream(side)
+    for leaf in leaves:
+        leaf.grad = None  # the captured backward allocates the gradients in the graph's pool
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_once(prob, "triton", leaves=leaves, options=options)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times), times
+
+
 def copy_bandwidth():
     if DEVICE == "cpu":
         return 4.25e12
@@ -183,7 +213,8 @@ def parse_grid(text):
     configs = []
     for entry_text in filter(None, text.split(";")):
         if "=" in entry_text:
-            configs.append({k: int(v) for k, v in (kv.split("=") for kv in entry_text.split(","))})
+            configs.append({k: int(v) if v.lstrip("-").isdigit() else v
+                            for k, v in (kv.split("=") for kv in entry_text.split(","))})
         else:
             c, g, w, tile = (int(x) for x in entry_text.split(","))
             configs.append(dict(chunk=c, group=g, num_warps=w, tile_elements=tile))
@@ -198,6 +229,8 @@ def main():
     parser.add_argument("--grid", default="8,4,2,2048;4,8,2,2048;8,8,2,2048;4,4,4,2048;4,8,2,4096;4,8,2,1024",
                         help="--tune grid: entries separated by ';', each 'chunk,group,warps,tile' or FullRouting "
                              "keywords 'name=value,...' (e.g. 'suffix_unroll=2,suffix_tokens=4')")
+    parser.add_argument("--graph", action="store_true",
+                        help="also time every triton config captured in a CUDA graph (no host launch cost)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
@@ -238,15 +271,21 @@ def main():
             t0 = time.time()
             try:
                 # torch is the reference itself; compile is checked against it only through the table
-                checked = check(shape_name, variant, compiled, options) if variant.startswith("triton") and not options else None
+                checked = check(shape_name, variant, compiled, options) if variant.startswith("triton") else None
                 warmup, reps = (1, 3) if variant == "torch" else (2, args.reps)
                 ms, times = time_variant(prob, variant, compiled, options, warmup, reps)
                 entry["variants"][label] = dict(ms=ms, times=times, check=checked)
+                if args.graph and variant == "triton" and DEVICE == "cuda":
+                    graph_ms, graph_times = time_graphed(prob, options, warmup, args.reps)
+                    entry["variants"][label].update(graph_ms=graph_ms, graph_times=graph_times)
+                    status_graph = f" graphed {graph_ms:.2f} ms"
+                else:
+                    status_graph = ""
                 status = "" if checked is None else (
                     f" check fp32 {max(checked['fp32']['errors']):.1e} bf16 {max(checked['bf16']['errors']):.1e}"
                     f" (ref {max(checked['bf16']['reference_errors']):.1e}) "
                     f"{'OK' if checked['fp32']['ok'] and checked['bf16']['ok'] else 'FAIL'}")
-                print(f"{label:40s} {ms:9.2f} ms{status}  [{time.time() - t0:.0f}s]", flush=True)
+                print(f"{label:40s} {ms:9.2f} ms{status_graph}{status}  [{time.time() - t0:.0f}s]", flush=True)
             except torch.OutOfMemoryError as err:
                 entry["variants"][label] = dict(ms=None, error=f"OOM: {str(err)[:200]}")
                 print(f"{label:40s} OOM", flush=True)
@@ -265,8 +304,11 @@ def main():
                not k.startswith("triton_percall") and e.get("ms")}
         best = min(tri, key=tri.get) if tri else "-"
         best_ms = f"{tri[best]:.2f}" if tri else "-"
+        graphed = {k: e["graph_ms"] for k, e in entry["variants"].items() if e.get("graph_ms")}
+        best_graph = min(graphed, key=graphed.get) if graphed else None
+        graph_cell = f" | graphed: {best_graph} {graphed[best_graph]:.2f}" if graphed else ""
         print(f"| {shape_name} | {entry['floor_ms']:.2f} | " + " | ".join(cells) +
-              f" | {best} {best_ms} | {entry['target_ms']} |")
+              f" | {best} {best_ms}{graph_cell} | {entry['target_ms']} |")
     print(f"\nwrote {json_path}")
 
 

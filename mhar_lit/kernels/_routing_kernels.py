@@ -259,11 +259,64 @@ def _prefix_fwd_kernel(
     tl.store(acc_ptr + acc_off, acc, mask=mask_CT[:, :, None] & mask_k[None, None, :])
 
 
+@triton.jit(do_not_specialize=["n_rows", "site_lo", "n_sites"])
+def _prefix_dot_fwd_kernel(
+    rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr,
+    n_rows, site_lo, n_sites, N, P, D, H, K,
+    C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, R_B: tl.constexpr, ACC: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The prefix pass of _prefix_fwd_kernel (same inputs and outputs) on tensor cores: per token and head the
+    mix is a small matrix product, acc [C, K] += p [C, R] @ v [R, K] over blocks of R_B rows, run batched over
+    the program's BLOCK_T tokens (C_P and R_B >= 16). A step loads R_B rows at once."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, K_P)
+    offs_c = tl.arange(0, C_P)
+    offs_r = tl.arange(0, R_B)
+    mask_t = offs_t < P
+    mask_k = offs_k < K
+    mask_tc = mask_t[:, None] & (offs_c < n_sites)[None, :]
+    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
+    store_ty = rows_ptr.dtype.element_ty
+    tok_K = (offs_t.to(tl.int64) * D)[:, None, None] + (h * K + offs_k)[None, None, :]  # [BLOCK_T, 1, K_P]
+    mask_tk = mask_t[:, None, None] & mask_k[None, None, :]
+    # logit of (row n, site site_lo + c): a source's pairs are consecutive rows from pair (n, site_lo)
+    z_tc = (offs_c[None, :, None].to(tl.int64) * H + h) * P + offs_t[:, None, None]  # [BLOCK_T, C_P, 1]
+
+    m = tl.full([BLOCK_T, C_P], float("-inf"), ACC)
+    for n0 in range(0, n_rows, R_B):  # the max first (from z alone), so the mix needs no rescaling
+        n = n0 + offs_r
+        z = tl.load(z_ptr + _pair_row(n, site_lo, N)[None, None, :] * H * P + z_tc,
+                    mask=mask_tc[:, :, None] & (n < n_rows)[None, None, :], other=float("-inf"))
+        m = tl.maximum(m, tl.max(z, axis=2))
+    m = tl.where(mask_tc, m, 0.0)  # padded sites/tokens: keep exp() finite
+    l = tl.zeros([BLOCK_T, C_P], ACC)
+    acc = tl.zeros([BLOCK_T, C_P, K_P], ACC)
+    for n0 in range(0, n_rows, R_B):
+        n = n0 + offs_r
+        ok = n < n_rows
+        z = tl.load(z_ptr + _pair_row(n, site_lo, N)[None, None, :] * H * P + z_tc,
+                    mask=mask_tc[:, :, None] & ok[None, None, :], other=float("-inf"))
+        p = tl.exp(z - m[:, :, None])  # [BLOCK_T, C_P, R_B], 0 past the last row
+        l += tl.sum(p, axis=2)
+        v = tl.load(rows_ptr + n[None, :, None].to(tl.int64) * row_stride + tok_K,
+                    mask=mask_tk & ok[None, :, None], other=0.0)  # [BLOCK_T, R_B, K_P]
+        acc = _mma_weights(p, _mma_operand(v, store_ty, ACC), acc, store_ty, ACC, PREC)
+
+    ct = (offs_c[None, :].to(tl.int64) * P + offs_t[:, None]) * H + h
+    tl.store(m_ptr + ct, m, mask=mask_tc)
+    tl.store(l_ptr + ct, l, mask=mask_tc)
+    tl.store(acc_ptr + offs_c[None, :, None].to(tl.int64) * row_stride + tok_K, acc,
+             mask=mask_tc[:, :, None] & mask_k[None, None, :])
+
+
 @triton.jit(do_not_specialize=["row_lo", "site", "state_slot"])
 def _merge_fwd_kernel(
     rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
     row_lo, site, state_slot, N, P, D, H, K,
-    HAS_INIT: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+    HAS_INIT: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, C_P: tl.constexpr, ACC: tl.constexpr,
 ):
     """Full mode, one site and head: the prefix state (HAS_INIT) merged with the in-chunk rows
     [row_lo, site] by log-sum-exp, all logits from the pair table z. Writes out (storage) and lse [P, H]."""
@@ -287,21 +340,23 @@ def _merge_fwd_kernel(
         m = m0
     else:
         m = tl.full([BLOCK_T], float("-inf"), ACC)
-    for n in range(row_lo, site + 1):
-        z = tl.load(z_ptr + _pair_row(n, site, N) * H * P + z_T, mask=mask_t, other=0.0)
-        m = tl.maximum(m, z)
+    # the in-chunk rows [row_lo, site] as one [BLOCK_T, C_P, K_P] tile: their loads are issued together
+    n = row_lo + tl.arange(0, C_P)
+    mask_tc = mask_t[:, None] & (n <= site)[None, :]
+    z = tl.load(z_ptr + _pair_row(n, site, N)[None, :] * H * P + z_T[:, None], mask=mask_tc, other=float("-inf"))
+    v = tl.load(rows_ptr + n[None, :, None] * row_stride + tile_TK[:, None, :],
+                mask=mask_tc[:, :, None] & mask_TK[:, None, :], other=0.0).to(ACC)
+    m = tl.maximum(m, tl.max(z, axis=1))
+    m = tl.where(mask_t, m, 0.0)  # padded tokens: keep exp() finite
+    p = tl.exp(z - m[:, None])  # 0 for the masked rows
     if HAS_INIT:
         scale = tl.exp(m0 - m)
-        l = l0 * scale
-        acc = acc0 * scale[:, None]
+        l = l0 * scale + tl.sum(p, axis=1)
+        acc = acc0 * scale[:, None] + tl.sum(p[:, :, None] * v, axis=1)
     else:
-        l = tl.zeros([BLOCK_T], ACC)
-        acc = tl.zeros([BLOCK_T, K_P], ACC)
-    for n in range(row_lo, site + 1):
-        z = tl.load(z_ptr + _pair_row(n, site, N) * H * P + z_T, mask=mask_t, other=0.0)
-        p = tl.exp(z - m)
-        l += p
-        acc += p[:, None] * tl.load(rows_ptr + n * row_stride + tile_TK, mask=mask_TK, other=0.0).to(ACC)
+        l = tl.sum(p, axis=1)
+        acc = tl.sum(p[:, :, None] * v, axis=1)
+    l = tl.where(mask_t, l, 1.0)  # padded tokens: keep log() and the division finite
     out = acc / l[:, None]
     tl.store(out_ptr + tile_TK, _to_storage(out, out_ptr.dtype.element_ty), mask=mask_TK)
     tl.store(lse_ptr + (site * P + offs_t) * H + h, m + tl.log(l), mask=mask_t)
@@ -440,6 +495,97 @@ def _suffix_bwd_kernel(
 
 
 @triton.jit
+def _mma_operand(x, store_ty: tl.constexpr, ACC: tl.constexpr):
+    """x as a tensor-core operand: bf16 storage stays bf16 (exact products, fp32 sums); fp32/fp64 storage in
+    the compute dtype. The interpreter's bf16 dot is wrong (Triton 3.8), so it gets the same values in fp32."""
+    if store_ty == tl.bfloat16:
+        if SOFTWARE_BF16_ROUNDING:
+            y = x.to(tl.float32)
+        else:
+            y = x.to(tl.bfloat16)
+    else:
+        y = x.to(ACC)
+    return y
+
+
+@triton.jit
+def _mma(a, b, acc, store_ty: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+    """acc + a @ b for operands prepared by _mma_operand (bf16 ones need no input precision)."""
+    if store_ty == tl.bfloat16:
+        out = tl.dot(a, b, acc, out_dtype=tl.float32)
+    else:
+        out = tl.dot(a, b, acc, input_precision=PREC, out_dtype=ACC)
+    return out
+
+
+@triton.jit
+def _mma_weights(alpha, b, acc, store_ty: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+    """acc + alpha @ b with fp32 weights alpha: for bf16 operands b, alpha is split into two bf16 terms
+    (hi + lo, relative error <= 2^-17 against the bf16 rounding of the result's 2^-9); otherwise PREC."""
+    if store_ty == tl.bfloat16:
+        hi = _to_storage(alpha, tl.bfloat16)
+        lo = _to_storage(alpha - hi.to(tl.float32), tl.bfloat16)
+        out = _mma(_mma_operand(hi, store_ty, ACC), b, acc, store_ty, ACC, PREC)
+        out = _mma(_mma_operand(lo, store_ty, ACC), b, out, store_ty, ACC, PREC)
+    else:
+        out = _mma(alpha.to(ACC), b, acc, store_ty, ACC, PREC)
+    return out
+
+
+@triton.jit(do_not_specialize=["n_lo", "n_src", "s_lo"])
+def _suffix_dot_bwd_kernel(
+    rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, z_ptr, dl_ptr, part_dv_ptr,
+    n_lo, n_src, s_lo, s_hi, N, P, D, H, K,
+    G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, S_B: tl.constexpr, ACC: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The suffix pass of _suffix_bwd_kernel (same inputs and outputs) on tensor cores. Per token and head it
+    is two small matrix products: gdot [G, S] = V [G, K] @ dout^T [K, S] and dv [G, K] += alpha [G, S] @
+    dout [S, K]; a program runs them batched over its BLOCK_T tokens for S_B later sites per step (G_P and
+    S_B >= 16, the products' smallest size). So a step loads S_B sites' dout at once instead of one, and the
+    per-element work leaves the CUDA cores."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, K_P)
+    offs_g = tl.arange(0, G_P)
+    offs_s = tl.arange(0, S_B)
+    mask_t = offs_t < P
+    mask_k = offs_k < K
+    mask_g = offs_g < n_src
+    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
+    store_ty = rows_ptr.dtype.element_ty
+    tok_K = (offs_t.to(tl.int64) * D)[:, None, None] + (h * K + offs_k)[None, None, :]  # [BLOCK_T, 1, K_P]
+    mask_tk = mask_t[:, None, None] & mask_k[None, None, :]
+
+    # the group's rows [BLOCK_T, G_P, K_P], one read
+    v_off = (n_lo + offs_g)[None, :, None].to(tl.int64) * row_stride + tok_K
+    v_mask = mask_tk & mask_g[None, :, None]
+    v = _mma_operand(tl.load(rows_ptr + v_off, mask=v_mask, other=0.0), store_ty, ACC)
+    pair_g = _pair_row(n_lo + offs_g, s_lo, N)  # [G_P]: pair (g, s_lo); pair (g, s) is s - s_lo rows on
+    dv = tl.zeros([BLOCK_T, G_P, K_P], ACC)
+    for s0 in range(s_lo, s_hi, S_B):
+        s = s0 + offs_s
+        ok_s = s < s_hi
+        d_off = s[None, :, None].to(tl.int64) * row_stride + tok_K
+        dout = _mma_operand(tl.load(dout_buf_ptr + d_off, mask=mask_tk & ok_s[None, :, None], other=0.0),
+                            store_ty, ACC)  # [BLOCK_T, S_B, K_P]
+        ts = (s[None, :].to(tl.int64) * P + offs_t[:, None]) * H + h  # [BLOCK_T, S_B] of the [N, P, H] tensors
+        mask_ts = mask_t[:, None] & ok_s[None, :]
+        lse = tl.load(lse_ptr + ts, mask=mask_ts, other=0.0)
+        S = tl.load(S_ptr + ts, mask=mask_ts, other=0.0)
+        z_off = ((pair_g[None, :, None] + (s - s_lo)[None, None, :]) * H + h) * P + offs_t[:, None, None]
+        mask_z = mask_ts[:, None, :] & mask_g[None, :, None]
+        alpha = tl.exp(tl.load(z_ptr + z_off, mask=mask_z, other=float("-inf")) - lse[:, None, :])  # [T, G, S]
+        gdot = _mma(v, tl.permute(dout, (0, 2, 1)), tl.zeros([BLOCK_T, G_P, S_B], ACC), store_ty, ACC, PREC)
+        tl.store(dl_ptr + z_off, alpha * (gdot - S[:, None, :]), mask=mask_z)
+        dv = _mma_weights(alpha, dout, dv, store_ty, ACC, PREC)
+
+    part_off = offs_g[None, :, None].to(tl.int64) * row_stride + tok_K
+    tl.store(part_dv_ptr + part_off, dv, mask=v_mask)
+
+
+@triton.jit
 def _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair, s, P, H, th, zt, mask_t):
     """One in-group pair (site s, the column's source), one head: alpha from the saved logit, dl (stored for
     the key path and dq/dg); returns dl, alpha and the logit [BLOCK_T]."""
@@ -455,7 +601,8 @@ def _column_bwd_kernel(
     rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, dout_new_ptr, out_new_ptr,
     z_ptr, dl_ptr, part_dv_ptr, dvp_ptr, c_ptr,
     src, g_end, part_slot, N, P, D, H, K,
-    HAS_SUFFIX: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
+    HAS_SUFFIX: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, S_P: tl.constexpr, J_B: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """Full-mode backward of site `src`, one head: everything of source `src` but its key path.
 
@@ -495,13 +642,23 @@ def _column_bwd_kernel(
         mask_ts = mask_t[:, None] & (offs_s[None, :] < N)
         c += tl.sum(tl.load(dl_ptr + zts, mask=mask_ts, other=0.0) * tl.load(z_ptr + zts, mask=mask_ts, other=0.0),
                     axis=1)
-    for s in range(src + 1, g_end):  # in-group sites: their dout and S already sit in the buffers
-        dout = tl.load(dout_buf_ptr + s * row_stride + tile, mask=mask, other=0.0).to(ACC)
-        S = tl.load(S_ptr + s * P * H + th, mask=mask_t, other=0.0)
-        dl, alpha, logit = _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair0 + s - src, s, P, H, th, zt,
-                                      mask_t)
-        dv += alpha[:, None] * dout
-        c += dl * logit
+    # in-group sites (their dout and S already sit in the buffers), J_B per step as one [BLOCK_T, J_B, K_P]
+    # tile: the loads of J_B rows are issued together instead of one row's per loop step
+    offs_j = tl.arange(0, J_B)
+    for s0 in range(src + 1, g_end, J_B):
+        s = s0 + offs_j
+        mask_tj = mask_t[:, None] & (s < g_end)[None, :]
+        douts = tl.load(dout_buf_ptr + s[None, :, None].to(tl.int64) * row_stride + tile[:, None, :],
+                        mask=mask_tj[:, :, None] & mask[:, None, :], other=0.0).to(ACC)
+        tj = s[None, :].to(tl.int64) * P * H + th[:, None]
+        S_j = tl.load(S_ptr + tj, mask=mask_tj, other=0.0)
+        zj = (pair0 + s - src)[None, :].to(tl.int64) * H * P + zt[:, None]
+        logit_j = tl.load(z_ptr + zj, mask=mask_tj, other=0.0)
+        alpha_j = tl.where(mask_tj, tl.exp(logit_j - tl.load(lse_ptr + tj, mask=mask_tj, other=0.0)), 0.0)
+        dl_j = alpha_j * (tl.sum(douts * v[:, None, :], axis=2) - S_j)
+        tl.store(dl_ptr + zj, dl_j, mask=mask_tj)
+        dv += tl.sum(alpha_j[:, :, None] * douts, axis=1)
+        c += tl.sum(dl_j * logit_j, axis=1)
     tl.store(dvp_ptr + tile, dv, mask=mask)
     tl.store(c_ptr + zt, c, mask=mask_t)
 

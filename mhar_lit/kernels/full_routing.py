@@ -58,6 +58,15 @@ UNROLL_CHOICES = (1, 2, 4)
 # 11.2 ms on 2026-12-03), 1 above (350M, K 128: 11.5 vs 16.9 ms with 4).
 DEFAULT_PREFIX_UNROLL = 4
 DEFAULT_SUFFIX_UNROLL = 0
+# The suffix pass on CUDA cores ("fma": _suffix_bwd_kernel) or as batched tensor-core products ("dot":
+# _suffix_dot_bwd_kernel; same outputs to fp32 rounding).
+SUFFIX_IMPLS = ("fma", "dot")
+DEFAULT_SUFFIX_IMPL = "dot"
+COLUMN_SITE_BLOCK = 4  # in-group sites per step of the column kernel (their loads issued together)
+SUFFIX_SITE_BLOCK = 16
+PREFIX_IMPLS = ("fma", "dot")  # the prefix pass on CUDA cores or as batched tensor-core products (as the suffix)
+DEFAULT_PREFIX_IMPL = "dot"
+PREFIX_ROW_BLOCK = 16  # rows per step of the "dot" prefix  # later sites per step of the "dot" suffix (a tensor-core product's smallest size)
 
 
 class FullRouting:
@@ -67,7 +76,9 @@ class FullRouting:
                  eps: float = 1e-6, chunk: int = DEFAULT_CHUNK, group: int = DEFAULT_GROUP,
                  num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE,
                  prefix_unroll: int = DEFAULT_PREFIX_UNROLL, suffix_unroll: int = DEFAULT_SUFFIX_UNROLL,
-                 suffix_tokens: int = 0, suffix_warps: int = 0) -> None:
+                 suffix_tokens: int = 0, suffix_warps: int = 0, suffix_impl: str = DEFAULT_SUFFIX_IMPL,
+                 column_tokens: int = 0, column_warps: int = 0, prefix_impl: str = DEFAULT_PREFIX_IMPL,
+                 prefix_tokens: int = 0, prefix_warps: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -84,9 +95,15 @@ class FullRouting:
         if suffix_unroll not in (0, *UNROLL_CHOICES):
             raise ValueError(f"suffix_unroll must be one of {(0, *UNROLL_CHOICES)} (0: by head width), "
                              f"got {suffix_unroll}")
-        if suffix_tokens < 0 or suffix_tokens & (suffix_tokens - 1) or suffix_warps < 0:
-            raise ValueError(f"suffix_tokens ({suffix_tokens}) must be 0 (automatic) or a power of two, "
-                             f"suffix_warps ({suffix_warps}) 0 (automatic) or positive")
+        if prefix_impl not in PREFIX_IMPLS:
+            raise ValueError(f"prefix_impl must be one of {PREFIX_IMPLS}, got {prefix_impl!r}")
+        for name, tokens, warps in (("suffix", suffix_tokens, suffix_warps), ("column", column_tokens, column_warps),
+                                    ("prefix", prefix_tokens, prefix_warps)):
+            if tokens < 0 or tokens & (tokens - 1) or warps < 0:
+                raise ValueError(f"{name}_tokens ({tokens}) must be 0 (automatic) or a power of two, "
+                                 f"{name}_warps ({warps}) 0 (automatic) or positive")
+        if suffix_impl not in SUFFIX_IMPLS:
+            raise ValueError(f"suffix_impl must be one of {SUFFIX_IMPLS}, got {suffix_impl!r}")
         check_storage_dtype(embedding_BTD.dtype)
         check_device(embedding_BTD, query_SD, norm_weight_SD)
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
@@ -94,7 +111,9 @@ class FullRouting:
         self.tile = tile_elements  # register tile size: fixes tokens per program (tile_tokens)
         self.prefix_unroll = prefix_unroll
         self.suffix_unroll = suffix_unroll or (4 if pow2(d // heads) <= 64 else 1)
-        self.suffix_tokens, self.suffix_warps = suffix_tokens, suffix_warps
+        self.suffix_tokens, self.suffix_warps, self.suffix_impl = suffix_tokens, suffix_warps, suffix_impl
+        self.column_tokens, self.column_warps = column_tokens, column_warps
+        self.prefix_impl, self.prefix_tokens, self.prefix_warps = prefix_impl, prefix_tokens, prefix_warps
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)
         self.p, self.k = b * t, d // heads
@@ -169,11 +188,12 @@ class FullRouting:
         d = self.shape[2]
         out_PD = torch.empty(self.p, d, dtype=self.dtype, device=self.device)
         m, l, acc = self._chunk_state if s0 > 0 else (self.lse, self.lse, self.lse)
-        block_t = tile_tokens(self.k_p, self.tile)
+        c_p = pow2(self.chunk)
+        block_t = tile_tokens(c_p * self.k_p, self.tile)  # the in-chunk rows' [tokens, C_P, K_P] tile
         launch(kern._merge_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads),
             self.rows, self.z, m, l, acc, out_PD, self.lse,
             s0, site, site - s0, self.n_sites, self.p, d, self.heads, self.k,
-            HAS_INIT=s0 > 0, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, num_warps=self.num_warps,
+            HAS_INIT=s0 > 0, BLOCK_T=block_t, K_P=self.k_p, C_P=c_p, ACC=self.acc_tl, num_warps=self.num_warps,
             key=self._key,
         )
         self.next_site += 1
@@ -210,6 +230,16 @@ class FullRouting:
                 torch.empty(self.chunk, self.p, d, dtype=self.acc_t, device=self.device),
             )
         m, l, acc = self._chunk_state
+        if self.prefix_impl == "dot":
+            c_p = max(16, pow2(self.chunk))
+            block_t = self.prefix_tokens or max(2, 4096 // (c_p * self.k_p))  # as the "dot" suffix
+            launch(kern._prefix_dot_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads),
+                self.rows, self.z, m, l, acc,
+                s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
+                C_P=c_p, BLOCK_T=block_t, K_P=self.k_p, R_B=PREFIX_ROW_BLOCK, ACC=self.acc_tl, PREC=self.prec,
+                num_warps=self.prefix_warps or 4, key=self._key,
+            )
+            return
         c_p = pow2(self.chunk)
         block_t = tile_tokens(c_p * self.k_p, self.tile)
         launch(kern._prefix_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads),
@@ -264,15 +294,26 @@ class FullRouting:
     def _suffix(self, g0: int, g_end: int) -> None:
         """Value path and dl of all sites >= g_end against the sources [g0, g_end), one read of each."""
         bw, d = self._bwd, self.shape[2]
+        args = (self.rows, self.lse, bw["S"], bw["dout"], self.z, bw["dl"], bw["part_dv"],
+                g0, g_end - g0, g_end, self.n_sites, self.n_sites, self.p, d, self.heads, self.k)
+        grid = lambda block_t: (triton.cdiv(self.p, block_t), self.heads)  # noqa: E731
+        if self.suffix_impl == "dot":
+            g_p = max(16, pow2(self.group))
+            # about 4096 elements of the [tokens, sources, K] tile per program, at least 2 tokens so that the
+            # pair-table accesses (contiguous over tokens) are not 4-byte gathers
+            block_t = self.suffix_tokens or max(2, 4096 // (g_p * self.k_p))
+            launch(kern._suffix_dot_bwd_kernel, grid(block_t), *args,
+                G_P=g_p, BLOCK_T=block_t, K_P=self.k_p, S_B=SUFFIX_SITE_BLOCK, ACC=self.acc_tl, PREC=self.prec,
+                num_warps=self.suffix_warps or 4, key=self._key,
+            )
+            return
         g_p = pow2(self.group)
         # Tokens and warps from the H200 measurement of 2026-12-02 (benchmarks/results/routing_v2_*): at least
         # 2 tokens per program, 4 warps once the tile passes 2048 elements (1B: 2 tokens x 8 x 256 on 4 warps
         # ran 6.6 ms against 14.8 ms for 1 token on 2 warps; 100M/350M were best at 4/2 tokens on 2 warps).
         block_t = self.suffix_tokens or max(2, tile_tokens(g_p * self.k_p, self.tile))
         warps = self.suffix_warps or (2 if g_p * self.k_p * block_t <= 2048 else 4)
-        launch(kern._suffix_bwd_kernel, (triton.cdiv(self.p, block_t), self.heads),
-            self.rows, self.lse, bw["S"], bw["dout"], self.z, bw["dl"], bw["part_dv"],
-            g0, g_end - g0, g_end, self.n_sites, self.n_sites, self.p, d, self.heads, self.k,
+        launch(kern._suffix_bwd_kernel, grid(block_t), *args,
             G_P=g_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.suffix_unroll, num_warps=warps,
             key=self._key,
         )
@@ -280,14 +321,16 @@ class FullRouting:
     def _column(self, site: int, g0: int, g_end: int, out_BTD: Tensor, dout_BTD: Tensor) -> Tensor:
         """Finish source `site`: in-group pairs and value path, then the key path of all its pairs."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
-        block_t = tile_tokens(self.k_p, self.tile)
+        # the in-group sites' [tokens, J_B, K] tile takes J_B times the registers of a row's
+        j_b = min(COLUMN_SITE_BLOCK, pow2(self.group))
+        block_t = self.column_tokens or tile_tokens(j_b * self.k_p, self.tile)
         dout = dout_BTD.to(self.dtype).contiguous()
         launch(kern._column_bwd_kernel, (triton.cdiv(p, block_t), self.heads),
             self.rows, self.lse, bw["S"], bw["dout"], dout, out_BTD,
             self.z, bw["dl"], bw["part_dv"], bw["dvp"], bw["c"],
             site, g_end, site - g0, n, p, d, self.heads, self.k,
-            HAS_SUFFIX=g_end < n, BLOCK_T=block_t, K_P=self.k_p, S_P=dot_dim(n - g_end), ACC=self.acc_tl,
-            num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
+            HAS_SUFFIX=g_end < n, BLOCK_T=block_t, K_P=self.k_p, S_P=dot_dim(n - g_end), J_B=j_b, ACC=self.acc_tl,
+            num_warps=self.column_warps or self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
         )
         dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
         launch(kern._keypath_kernel, (triton.cdiv(p, DOT_TOKENS), self.heads),

@@ -18,7 +18,7 @@ from kernel_helpers import fresh_generator, full_mode_loss, leaf, rel, torch_sit
 
 from mhar_lit.config import ModelConfig  # noqa: E402
 from mhar_lit.kernels import launch as fast_launch  # noqa: E402
-from mhar_lit.kernels.full_routing import FullRouting  # noqa: E402
+from mhar_lit.kernels.full_routing import PREFIX_IMPLS, SUFFIX_IMPLS, FullRouting  # noqa: E402
 from mhar_lit.models.decoder import DecoderLM  # noqa: E402
 from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes  # noqa: E402
 from mhar_lit.routing import route  # noqa: E402
@@ -48,6 +48,10 @@ def _problem(n_sites, b, t, d, gen):
 # measures the draw's conditioning more than the kernel (on seed 1555720104 the loss of the fp32 torch
 # reference is 5.6e-6 off while every output element is within 1.3e-7).
 NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
+# The prefix (forward) and suffix (backward) passes have CUDA-core ("fma") and tensor-core ("dot") versions;
+# checking each pair of the same kind covers all four kernels, and a mixed pair the defaults' independence.
+IMPLS = [dict(prefix_impl=p, suffix_impl=s) for p, s in (("fma", "fma"), ("dot", "dot"), ("fma", "dot"))]
+assert {i["prefix_impl"] for i in IMPLS} == set(PREFIX_IMPLS) and {i["suffix_impl"] for i in IMPLS} == set(SUFFIX_IMPLS)
 
 
 def _output_and_grads(kind, emb, q, g, mats, dout, heads, dtype, chunk=3, group=2, **knobs):
@@ -68,17 +72,20 @@ def _output_and_grads(kind, emb, q, g, mats, dout, heads, dtype, chunk=3, group=
     return (outputs[0], *torch.autograd.grad(loss, (e, qq, gg)))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("n_sites,heads,d,chunk,group", [
     (7, 3, 12, 3, 2),   # partial last chunk and group, H not a power of two
     (9, 4, 20, 4, 3),   # K = 5
     (5, 1, 8, 8, 8),    # one chunk, one group, single head
     (6, 2, 16, 1, 1),   # unchunked: every site its own prefix pass / group
+    (21, 2, 8, 4, 2),   # the "dot" passes' 16-site/row steps: 17 later sites in the first group's pass,
+                        # 20 prefix rows at the last chunk
 ])
-def test_fp32_matches_float64_reference(n_sites, heads, d, chunk, group):
+def test_fp32_matches_float64_reference(n_sites, heads, d, chunk, group, impl):
     gen = fresh_generator()
     problem = _problem(n_sites, 2, 3, d, gen)
     ref = _output_and_grads("torch", *problem, heads, torch.float64)
-    got = _output_and_grads("triton", *problem, heads, torch.float32, chunk, group)
+    got = _output_and_grads("triton", *problem, heads, torch.float32, chunk, group, **impl)
     ref32 = _output_and_grads("torch", *problem, heads, torch.float32)
     for name, a, r, r32 in zip(NAMES, got, ref, ref32):
         # 1e-5; a rare ill-conditioned draw (the chain amplifies fp32 rounding) may exceed it only as far as
@@ -87,11 +94,12 @@ def test_fp32_matches_float64_reference(n_sites, heads, d, chunk, group):
             f"{name}: {rel(a, r):.2e}, fp32 reference {rel(r32, r):.2e} (seed {gen.initial_seed()})")
 
 
-def test_chunked_equals_unchunked_and_per_call_path():
+@pytest.mark.parametrize("impl", IMPLS[:2])
+def test_chunked_equals_unchunked_and_per_call_path(impl):
     gen = fresh_generator()
     problem = _problem(8, 1, 4, 16, gen)
-    unchunked = _output_and_grads("triton", *problem, 4, torch.float32, chunk=1, group=1)
-    chunked = _output_and_grads("triton", *problem, 4, torch.float32, chunk=3, group=5)
+    unchunked = _output_and_grads("triton", *problem, 4, torch.float32, chunk=1, group=1, **impl)
+    chunked = _output_and_grads("triton", *problem, 4, torch.float32, chunk=3, group=5, **impl)
     emb, q, g, mats, dout = problem
     e, qq, gg = leaf(emb.float(), q.float(), g.float())
     per_call = lambda s, sources: route(torch.stack(sources), qq[s], gg[s], 4, backend="triton")  # noqa: E731
@@ -103,29 +111,37 @@ def test_chunked_equals_unchunked_and_per_call_path():
     for name, a, b, c, x, r in zip(NAMES, chunked, unchunked,
                                    per_call_grads, exact, ref32):
         # chunking only reorders fp32 sums (the prefix merge, the suffix/in-group split of the backward): the
-        # paths agree to 1e-6, or to twice the fp32 reference's own rounding error on this draw if larger
-        tol = max(1e-6, 2 * rel(r, x))
+        # paths agree to 1e-6, or to twice the fp32 reference's own rounding error on this draw if larger.
+        # dq and dg sum dl * kr over every pair and token and cancel (see kernel_helpers.
+        # query_grad_rounding_scale); one draw's reference error is a noisy gauge of that, and the tensor-core
+        # passes reorder these sums further: over 40 seeds (2026-12-03) the paths differed by up to 2.0x (CUDA-
+        # core passes) and 2.8x (tensor-core passes) the reference's error, so dq/dg get 5x.
+        tol = max(1e-6, (5 if name in ("d_query", "d_norm_weight") else 2) * rel(r, x))
         assert rel(a, b) <= tol and rel(a, c) <= tol, (
             f"{name}: chunked vs unchunked {rel(a, b):.1e}, vs per-call {rel(a, c):.1e}, tol {tol:.1e} "
             f"(seed {gen.initial_seed()})")
 
 
-def test_unroll_and_suffix_tiling_change_nothing():
-    """The unrolled loops add exact zeros past their ends (bitwise equal at every unroll); other suffix token
-    tiles only regroup tokens, whose sums are independent (equal to fp32 rounding of the reduction order)."""
+def test_unroll_and_tiling_change_nothing():
+    """The unrolled loops add exact zeros past their ends (bitwise equal at every unroll); other token tiles
+    only regroup tokens, whose sums are independent, and the kernel versions only reorder fp32 sums (equal to
+    fp32 rounding of the reduction order)."""
     gen = fresh_generator()
     problem = _problem(9, 3, 5, 12, gen)  # prefix rows 3, 6 and suffix sites 7, 5, 3, 1: every remainder
+    fma = dict(prefix_impl="fma", suffix_impl="fma")  # the unroll knobs belong to the CUDA-core passes
     base = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, prefix_unroll=1,
-                             suffix_unroll=1)
+                             suffix_unroll=1, **fma)
     for prefix, suffix in ((2, 2), (4, 4), (4, 1), (1, 2)):
         got = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, prefix_unroll=prefix,
-                                suffix_unroll=suffix)
+                                suffix_unroll=suffix, **fma)
         assert all(torch.equal(a, b) for a, b in zip(got, base)), (
             f"unroll {prefix}/{suffix} (seed {gen.initial_seed()})")
-    tiled = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, suffix_tokens=8,
-                              suffix_warps=8)
-    for name, a, b in zip(NAMES, tiled, base):
-        assert rel(a, b) <= 1e-6, f"{name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
+    for impl in IMPLS:  # other token tiles, warps and column tiles, for every kernel version
+        tiled = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, suffix_tokens=8,
+                                  suffix_warps=8, prefix_tokens=4, prefix_warps=2, column_tokens=2,
+                                  column_warps=4, **impl)
+        for name, a, b in zip(NAMES, tiled, base):
+            assert rel(a, b) <= 1e-6, f"{impl} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
 
 
 @pytest.mark.parametrize("knobs,message", [
@@ -133,6 +149,9 @@ def test_unroll_and_suffix_tiling_change_nothing():
     (dict(suffix_unroll=3), "suffix_unroll must be one of"),
     (dict(suffix_tokens=3), "power of two"),
     (dict(suffix_warps=-1), "suffix_warps"),
+    (dict(suffix_impl="wmma"), "suffix_impl must be one of"),
+    (dict(prefix_impl="wmma"), "prefix_impl must be one of"),
+    (dict(prefix_tokens=6), "prefix_tokens"),
 ])
 def test_bad_knobs_are_named(knobs, message):
     x = torch.zeros(1, 2, 4)
@@ -179,24 +198,26 @@ def test_misaligned_outside_tensors_route_the_same():
     assert all(torch.equal(a, b) for a, b in zip(*results)), f"seed {gen.initial_seed()}"
 
 
-def test_float64_gradcheck():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_float64_gradcheck(impl):
     gen = fresh_generator()
     emb, q, g, mats, dout = _problem(4, 1, 2, 6, gen)
 
     def fn(e, qq, gg):
-        routing = FullRouting(e, qq, gg, 2, chunk=2, group=2)
+        routing = FullRouting(e, qq, gg, 2, chunk=2, group=2, **impl)
         site_fn = lambda s, src: routing.route(s, src[-1], *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
         return full_mode_loss(site_fn, e, qq, gg, mats, dout)
 
     assert torch.autograd.gradcheck(fn, tuple(leaf(emb, q, g)), eps=1e-6, atol=1e-6, rtol=1e-5)
 
 
-def test_bf16_within_reference_rounding_error():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bf16_within_reference_rounding_error(impl):
     gen = fresh_generator()
     problem = _problem(7, 2, 4, 32, gen)
     exact = _output_and_grads("torch", *problem, 4, torch.float64)
     ref = _output_and_grads("torch", *problem, 4, torch.bfloat16)
-    got = _output_and_grads("triton", *problem, 4, torch.bfloat16)
+    got = _output_and_grads("triton", *problem, 4, torch.bfloat16, **impl)
     for name, a, r, e in zip(NAMES, got, ref, exact):
         assert rel(a, e) <= 2 * rel(r, e) + 1e-3, f"{name}: {rel(a, e):.2e} vs {rel(r, e):.2e}"
 

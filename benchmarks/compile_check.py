@@ -1,0 +1,142 @@
+"""Compile every kernel that a FullRouting forward + backward launches, for a GPU target, on a machine
+without one: the launches are recorded instead of run (on CPU tensors whose values are never read), then
+each distinct kernel configuration is compiled to a cubin with Triton's bundled ptxas. This catches the
+compile errors that the interpreter does not (a loop-carried variable that changes type, a product shape
+the tensor cores refuse) before any GPU time is spent, and reports registers and spill stack per kernel.
+
+    python benchmarks/compile_check.py [--shapes 100M 350M 1B] [--dtype bf16|fp32] [--arch 90]
+                                       [knob=value ...]      (FullRouting keywords, e.g. suffix_impl=fma)
+
+Run without TRITON_INTERPRET (the interpreter replaces the kernels). Exit status 1 if any kernel fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    sys.exit("compile_check.py compiles real kernels: run it without TRITON_INTERPRET=1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler import compile as triton_compile  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import mhar_lit.kernels.full_routing as full_routing  # noqa: E402
+
+SHAPES = {  # name: (B, T, d, sites, H), as benchmarks/routing.py
+    "100M": (8, 2048, 512, 25, 8),
+    "350M": (4, 1024, 1024, 49, 8),
+    "1B": (2, 1024, 1280, 73, 8),
+    "tiny": (1, 64, 96, 21, 3),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_TYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def record_launches(shape, dtype, knobs):
+    """(kernel, args, constexprs, num_warps) of every launch of one forward + backward, nothing run."""
+    b, t, d, n, heads = shape
+    calls = []
+
+    def record(kernel, grid, *args, num_warps=4, key=None, **constexprs):
+        calls.append((kernel, args, constexprs, num_warps))
+
+    saved = full_routing.launch, full_routing.check_device
+    full_routing.launch, full_routing.check_device = record, (lambda *tensors: None)
+    try:
+        emb = torch.zeros(b, t, d, dtype=dtype, requires_grad=True)
+        q = torch.zeros(n, d, requires_grad=True)
+        g = torch.ones(n, d, requires_grad=True)
+        routing = full_routing.FullRouting(emb, q, g, heads, **knobs)
+        x = emb
+        for s in range(n):
+            x = routing.route(s, emb if s == 0 else x * 1.0, *((q, g) if s == 0 else (None, None)))
+        x.float().sum().backward()
+    finally:
+        full_routing.launch, full_routing.check_device = saved
+    return calls
+
+
+def _signature(kernel, args, constexprs):
+    """Triton's signature and specialisation attributes for these arguments, as a GPU launch would give
+    (16-byte aligned pointers; ints divisible by 16 marked so, except do_not_specialize ones)."""
+    sig, attrs = {}, {}
+    for i, (name, a) in enumerate(zip(kernel.arg_names, args)):
+        if isinstance(a, torch.Tensor):
+            sig[name] = "*" + _TYPE_NAMES[a.dtype]
+        elif isinstance(a, bool):
+            sig[name] = "i1"
+        elif isinstance(a, int):
+            sig[name] = "i32" if -2**31 <= a < 2**31 else "i64"
+        elif isinstance(a, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: argument {name} of type {type(a).__name__}")
+        specialised = i not in kernel.do_not_specialize and name not in kernel.do_not_specialize
+        if specialised and (isinstance(a, torch.Tensor) or (type(a) is int and a % 16 == 0)):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    for name in constexprs:
+        sig[name] = "constexpr"
+    return sig, attrs
+
+
+def _usage(cubin: bytes) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", out)
+    return f"regs {m.group(1)} spill stack {m.group(2)}" if m else "usage unknown"
+
+
+def compile_all(shape_names, dtype, knobs, arch=90):
+    """Compile each distinct kernel configuration; returns the number of failures."""
+    target = GPUTarget("cuda", arch, 32)
+    seen, failures = set(), 0
+    for shape_name in shape_names:
+        for kernel, args, constexprs, warps in record_launches(SHAPES[shape_name], dtype, knobs):
+            sig, attrs = _signature(kernel, args, constexprs)
+            key = (kernel.__name__, tuple(sig.items()), tuple(attrs), tuple(constexprs.items()), warps)
+            if key in seen:
+                continue
+            seen.add(key)
+            shown = {k: v for k, v in constexprs.items() if k not in ("ACC", "PREC")}
+            label = f"{shape_name:5s} {kernel.__name__:24s} warps {warps} {shown}"
+            try:
+                compiled = triton_compile(ASTSource(kernel, sig, constexprs, attrs), target=target,
+                                          options=dict(num_warps=warps))
+                print(f"{label}  {_usage(compiled.asm['cubin'])}", flush=True)
+            except Exception as err:  # report every failing configuration, not only the first
+                failures += 1
+                print(f"{label}  FAILED: {str(err)[-800:]}", flush=True)
+    return failures
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"], choices=list(SHAPES))
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
+    parser.add_argument("knobs", nargs="*", help="FullRouting keywords name=value")
+    args = parser.parse_args()
+    knobs = {}
+    for item in args.knobs:
+        name, _, value = item.partition("=")
+        knobs[name] = int(value) if value.lstrip("-").isdigit() else value
+    failures = compile_all(args.shapes, DTYPES[args.dtype], knobs, args.arch)
+    print(f"{failures} failed")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
