@@ -36,7 +36,7 @@ SHAPES = {  # name: (B, T, d, sites, H), as benchmarks/routing.py
     "100M": (8, 2048, 512, 25, 8),
     "350M": (4, 1024, 1024, 49, 8),
     "1B": (2, 1024, 1280, 73, 8),
-    "tiny": (1, 64, 96, 21, 3),
+    "tiny": (1, 64, 480, 21, 3),  # K = 160: the "dot" passes split it as 128 + 32
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _TYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}

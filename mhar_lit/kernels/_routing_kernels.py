@@ -263,25 +263,25 @@ def _prefix_fwd_kernel(
 def _prefix_dot_fwd_kernel(
     rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr,
     n_rows, site_lo, n_sites, N, P, D, H, K,
-    C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, R_B: tl.constexpr, ACC: tl.constexpr,
-    PREC: tl.constexpr,
+    C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, R_B: tl.constexpr,
+    ACC: tl.constexpr, PREC: tl.constexpr,
 ):
     """The prefix pass of _prefix_fwd_kernel (same inputs and outputs) on tensor cores: per token and head the
     mix is a small matrix product, acc [C, K] += p [C, R] @ v [R, K] over blocks of R_B rows, run batched over
-    the program's BLOCK_T tokens (C_P and R_B >= 16). A step loads R_B rows at once."""
+    the program's BLOCK_T tokens (C_P and R_B >= 16). A step loads R_B rows at once. Head columns in two
+    slices K_A + K_B as in _suffix_dot_bwd_kernel."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_k = tl.arange(0, K_P)
     offs_c = tl.arange(0, C_P)
     offs_r = tl.arange(0, R_B)
     mask_t = offs_t < P
-    mask_k = offs_k < K
     mask_tc = mask_t[:, None] & (offs_c < n_sites)[None, :]
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
     store_ty = rows_ptr.dtype.element_ty
-    tok_K = (offs_t.to(tl.int64) * D)[:, None, None] + (h * K + offs_k)[None, None, :]  # [BLOCK_T, 1, K_P]
-    mask_tk = mask_t[:, None, None] & mask_k[None, None, :]
+    tok_a, mk_a = _head_slice(offs_t, h, K, D, 0, K_A)
+    if K_B > 0:
+        tok_b, mk_b = _head_slice(offs_t, h, K, D, K_A, K_B)
     # logit of (row n, site site_lo + c): a source's pairs are consecutive rows from pair (n, site_lo)
     z_tc = (offs_c[None, :, None].to(tl.int64) * H + h) * P + offs_t[:, None, None]  # [BLOCK_T, C_P, 1]
 
@@ -293,7 +293,9 @@ def _prefix_dot_fwd_kernel(
         m = tl.maximum(m, tl.max(z, axis=2))
     m = tl.where(mask_tc, m, 0.0)  # padded sites/tokens: keep exp() finite
     l = tl.zeros([BLOCK_T, C_P], ACC)
-    acc = tl.zeros([BLOCK_T, C_P, K_P], ACC)
+    acc_a = tl.zeros([BLOCK_T, C_P, K_A], ACC)
+    if K_B > 0:
+        acc_b = tl.zeros([BLOCK_T, C_P, K_B], ACC)
     for n0 in range(0, n_rows, R_B):
         n = n0 + offs_r
         ok = n < n_rows
@@ -301,15 +303,21 @@ def _prefix_dot_fwd_kernel(
                     mask=mask_tc[:, :, None] & ok[None, None, :], other=float("-inf"))
         p = tl.exp(z - m[:, :, None])  # [BLOCK_T, C_P, R_B], 0 past the last row
         l += tl.sum(p, axis=2)
-        v = tl.load(rows_ptr + n[None, :, None].to(tl.int64) * row_stride + tok_K,
-                    mask=mask_tk & ok[None, :, None], other=0.0)  # [BLOCK_T, R_B, K_P]
-        acc = _mma_weights(p, _mma_operand(v, store_ty, ACC), acc, store_ty, ACC, PREC)
+        n_off = n[None, :, None].to(tl.int64) * row_stride
+        mask_tn = mask_t[:, None, None] & ok[None, :, None]
+        v_a = tl.load(rows_ptr + n_off + tok_a, mask=mask_tn & mk_a, other=0.0)  # [BLOCK_T, R_B, K_A]
+        acc_a = _mma_weights(p, _mma_operand(v_a, store_ty, ACC), acc_a, store_ty, ACC, PREC)
+        if K_B > 0:
+            v_b = tl.load(rows_ptr + n_off + tok_b, mask=mask_tn & mk_b, other=0.0)
+            acc_b = _mma_weights(p, _mma_operand(v_b, store_ty, ACC), acc_b, store_ty, ACC, PREC)
 
     ct = (offs_c[None, :].to(tl.int64) * P + offs_t[:, None]) * H + h
     tl.store(m_ptr + ct, m, mask=mask_tc)
     tl.store(l_ptr + ct, l, mask=mask_tc)
-    tl.store(acc_ptr + offs_c[None, :, None].to(tl.int64) * row_stride + tok_K, acc,
-             mask=mask_tc[:, :, None] & mask_k[None, None, :])
+    c_off = offs_c[None, :, None].to(tl.int64) * row_stride
+    tl.store(acc_ptr + c_off + tok_a, acc_a, mask=mask_tc[:, :, None] & mk_a)
+    if K_B > 0:
+        tl.store(acc_ptr + c_off + tok_b, acc_b, mask=mask_tc[:, :, None] & mk_b)
 
 
 @triton.jit(do_not_specialize=["row_lo", "site", "state_slot"])
@@ -532,44 +540,61 @@ def _mma_weights(alpha, b, acc, store_ty: tl.constexpr, ACC: tl.constexpr, PREC:
     return out
 
 
+@triton.jit
+def _head_slice(offs_t, h, K, D, k0, KW: tl.constexpr):
+    """Offsets [BLOCK_T, 1, KW] of head h's columns [k0, k0 + KW) in a [P, D] row, and their mask (< K)."""
+    offs_k = k0 + tl.arange(0, KW)
+    tok = (offs_t.to(tl.int64) * D)[:, None, None] + (h * K + offs_k)[None, None, :]
+    return tok, (offs_k < K)[None, None, :]
+
+
 @triton.jit(do_not_specialize=["n_lo", "n_src", "s_lo"])
 def _suffix_dot_bwd_kernel(
     rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, z_ptr, dl_ptr, part_dv_ptr,
     n_lo, n_src, s_lo, s_hi, N, P, D, H, K,
-    G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, S_B: tl.constexpr, ACC: tl.constexpr,
-    PREC: tl.constexpr,
+    G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, S_B: tl.constexpr,
+    ACC: tl.constexpr, PREC: tl.constexpr,
 ):
     """The suffix pass of _suffix_bwd_kernel (same inputs and outputs) on tensor cores. Per token and head it
     is two small matrix products: gdot [G, S] = V [G, K] @ dout^T [K, S] and dv [G, K] += alpha [G, S] @
     dout [S, K]; a program runs them batched over its BLOCK_T tokens for S_B later sites per step (G_P and
     S_B >= 16, the products' smallest size). So a step loads S_B sites' dout at once instead of one, and the
-    per-element work leaves the CUDA cores."""
+    per-element work leaves the CUDA cores. The head's K columns are two power-of-two slices K_A + K_B
+    (K_B = 0: one slice) so that K = 160 is 128 + 32 wide, not padded to 256."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_k = tl.arange(0, K_P)
     offs_g = tl.arange(0, G_P)
     offs_s = tl.arange(0, S_B)
     mask_t = offs_t < P
-    mask_k = offs_k < K
     mask_g = offs_g < n_src
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
     store_ty = rows_ptr.dtype.element_ty
-    tok_K = (offs_t.to(tl.int64) * D)[:, None, None] + (h * K + offs_k)[None, None, :]  # [BLOCK_T, 1, K_P]
-    mask_tk = mask_t[:, None, None] & mask_k[None, None, :]
+    tok_a, mk_a = _head_slice(offs_t, h, K, D, 0, K_A)
+    if K_B > 0:
+        tok_b, mk_b = _head_slice(offs_t, h, K, D, K_A, K_B)
 
-    # the group's rows [BLOCK_T, G_P, K_P], one read
-    v_off = (n_lo + offs_g)[None, :, None].to(tl.int64) * row_stride + tok_K
-    v_mask = mask_tk & mask_g[None, :, None]
-    v = _mma_operand(tl.load(rows_ptr + v_off, mask=v_mask, other=0.0), store_ty, ACC)
+    # the group's rows [BLOCK_T, G_P, K], one read
+    g_off = (n_lo + offs_g)[None, :, None].to(tl.int64) * row_stride
+    mask_tg = mask_t[:, None, None] & mask_g[None, :, None]
+    v_a = _mma_operand(tl.load(rows_ptr + g_off + tok_a, mask=mask_tg & mk_a, other=0.0), store_ty, ACC)
+    dv_a = tl.zeros([BLOCK_T, G_P, K_A], ACC)
+    if K_B > 0:
+        v_b = _mma_operand(tl.load(rows_ptr + g_off + tok_b, mask=mask_tg & mk_b, other=0.0), store_ty, ACC)
+        dv_b = tl.zeros([BLOCK_T, G_P, K_B], ACC)
     pair_g = _pair_row(n_lo + offs_g, s_lo, N)  # [G_P]: pair (g, s_lo); pair (g, s) is s - s_lo rows on
-    dv = tl.zeros([BLOCK_T, G_P, K_P], ACC)
     for s0 in range(s_lo, s_hi, S_B):
         s = s0 + offs_s
         ok_s = s < s_hi
-        d_off = s[None, :, None].to(tl.int64) * row_stride + tok_K
-        dout = _mma_operand(tl.load(dout_buf_ptr + d_off, mask=mask_tk & ok_s[None, :, None], other=0.0),
-                            store_ty, ACC)  # [BLOCK_T, S_B, K_P]
+        s_off = s[None, :, None].to(tl.int64) * row_stride
+        mask_ts3 = mask_t[:, None, None] & ok_s[None, :, None]
+        dout_a = _mma_operand(tl.load(dout_buf_ptr + s_off + tok_a, mask=mask_ts3 & mk_a, other=0.0),
+                              store_ty, ACC)  # [BLOCK_T, S_B, K_A]
+        gdot = _mma(v_a, tl.permute(dout_a, (0, 2, 1)), tl.zeros([BLOCK_T, G_P, S_B], ACC), store_ty, ACC, PREC)
+        if K_B > 0:
+            dout_b = _mma_operand(tl.load(dout_buf_ptr + s_off + tok_b, mask=mask_ts3 & mk_b, other=0.0),
+                                  store_ty, ACC)
+            gdot = _mma(v_b, tl.permute(dout_b, (0, 2, 1)), gdot, store_ty, ACC, PREC)
         ts = (s[None, :].to(tl.int64) * P + offs_t[:, None]) * H + h  # [BLOCK_T, S_B] of the [N, P, H] tensors
         mask_ts = mask_t[:, None] & ok_s[None, :]
         lse = tl.load(lse_ptr + ts, mask=mask_ts, other=0.0)
@@ -577,12 +602,15 @@ def _suffix_dot_bwd_kernel(
         z_off = ((pair_g[None, :, None] + (s - s_lo)[None, None, :]) * H + h) * P + offs_t[:, None, None]
         mask_z = mask_ts[:, None, :] & mask_g[None, :, None]
         alpha = tl.exp(tl.load(z_ptr + z_off, mask=mask_z, other=float("-inf")) - lse[:, None, :])  # [T, G, S]
-        gdot = _mma(v, tl.permute(dout, (0, 2, 1)), tl.zeros([BLOCK_T, G_P, S_B], ACC), store_ty, ACC, PREC)
         tl.store(dl_ptr + z_off, alpha * (gdot - S[:, None, :]), mask=mask_z)
-        dv = _mma_weights(alpha, dout, dv, store_ty, ACC, PREC)
+        dv_a = _mma_weights(alpha, dout_a, dv_a, store_ty, ACC, PREC)
+        if K_B > 0:
+            dv_b = _mma_weights(alpha, dout_b, dv_b, store_ty, ACC, PREC)
 
-    part_off = offs_g[None, :, None].to(tl.int64) * row_stride + tok_K
-    tl.store(part_dv_ptr + part_off, dv, mask=v_mask)
+    part_off = offs_g[None, :, None].to(tl.int64) * row_stride
+    tl.store(part_dv_ptr + part_off + tok_a, dv_a, mask=mask_tg & mk_a)
+    if K_B > 0:
+        tl.store(part_dv_ptr + part_off + tok_b, dv_b, mask=mask_tg & mk_b)
 
 
 @triton.jit

@@ -119,6 +119,7 @@ class FullRouting:
         self.p, self.k = b * t, d // heads
         self.h_p, self.k_p = pow2(heads), pow2(self.k)
         self.k_b = 32 if self.k >= 32 else 16  # column slice of the tensor-core products
+        self.k_split = dot_split(self.k)  # the "dot" passes' head columns: two power-of-two slices
         self.prec = "ieee" if self.acc_t == torch.float64 else "tf32x3"  # fp32-accurate tensor-core dots
         self.param_dtypes = (query_SD.dtype, norm_weight_SD.dtype)
         # Launch key (mhar_lit.kernels.launch): the runtime arguments that are fixed for this object (sizes,
@@ -232,11 +233,12 @@ class FullRouting:
         m, l, acc = self._chunk_state
         if self.prefix_impl == "dot":
             c_p = max(16, pow2(self.chunk))
-            block_t = self.prefix_tokens or max(2, 4096 // (c_p * self.k_p))  # as the "dot" suffix
+            block_t = self.prefix_tokens or max(2, 4096 // (c_p * sum(self.k_split)))  # as the "dot" suffix
             launch(kern._prefix_dot_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads),
                 self.rows, self.z, m, l, acc,
                 s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
-                C_P=c_p, BLOCK_T=block_t, K_P=self.k_p, R_B=PREFIX_ROW_BLOCK, ACC=self.acc_tl, PREC=self.prec,
+                C_P=c_p, BLOCK_T=block_t, K_A=self.k_split[0], K_B=self.k_split[1], R_B=PREFIX_ROW_BLOCK,
+                ACC=self.acc_tl, PREC=self.prec,
                 num_warps=self.prefix_warps or 4, key=self._key,
             )
             return
@@ -301,9 +303,10 @@ class FullRouting:
             g_p = max(16, pow2(self.group))
             # about 4096 elements of the [tokens, sources, K] tile per program, at least 2 tokens so that the
             # pair-table accesses (contiguous over tokens) are not 4-byte gathers
-            block_t = self.suffix_tokens or max(2, 4096 // (g_p * self.k_p))
+            block_t = self.suffix_tokens or max(2, 4096 // (g_p * sum(self.k_split)))
             launch(kern._suffix_dot_bwd_kernel, grid(block_t), *args,
-                G_P=g_p, BLOCK_T=block_t, K_P=self.k_p, S_B=SUFFIX_SITE_BLOCK, ACC=self.acc_tl, PREC=self.prec,
+                G_P=g_p, BLOCK_T=block_t, K_A=self.k_split[0], K_B=self.k_split[1], S_B=SUFFIX_SITE_BLOCK,
+                ACC=self.acc_tl, PREC=self.prec,
                 num_warps=self.suffix_warps or 4, key=self._key,
             )
             return
@@ -356,6 +359,17 @@ class FullRouting:
 def aligned(x: Tensor) -> bool:
     """Whether Triton sees this tensor's pointer as 16-byte aligned (it specialises on that)."""
     return x.data_ptr() % 16 == 0
+
+
+def dot_split(k: int) -> tuple[int, int]:
+    """Head width k as two power-of-two slices (a, b), each >= 16 (b = 0: one slice), when that is narrower
+    than one padded slice: 160 -> (128, 32), 96 -> (64, 32); 64 -> (64, 0); 20 -> (32, 0)."""
+    whole = dot_dim(k)
+    a = max(16, whole // 2)
+    if k <= a:
+        return whole, 0
+    b = dot_dim(k - a)
+    return (a, b) if a + b < whole else (whole, 0)
 
 
 def dot_dim(n: int) -> int:

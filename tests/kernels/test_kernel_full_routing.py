@@ -80,6 +80,7 @@ def _output_and_grads(kind, emb, q, g, mats, dout, heads, dtype, chunk=3, group=
     (6, 2, 16, 1, 1),   # unchunked: every site its own prefix pass / group
     (21, 2, 8, 4, 2),   # the "dot" passes' 16-site/row steps: 17 later sites in the first group's pass,
                         # 20 prefix rows at the last chunk
+    (7, 2, 192, 3, 2),  # K = 96: the "dot" passes take the head as slices 64 + 32
 ])
 def test_fp32_matches_float64_reference(n_sites, heads, d, chunk, group, impl):
     gen = fresh_generator()
