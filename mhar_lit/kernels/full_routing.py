@@ -65,7 +65,7 @@ DEFAULT_SUFFIX_IMPL = "dot"
 COLUMN_SITE_BLOCK = 4  # in-group sites per step of the column kernel (their loads issued together)
 SUFFIX_SITE_BLOCK = 16
 PREFIX_IMPLS = ("fma", "dot")  # the prefix pass on CUDA cores or as batched tensor-core products (as the suffix)
-DEFAULT_PREFIX_IMPL = "dot"
+DEFAULT_PREFIX_IMPL = "fma"
 PREFIX_ROW_BLOCK = 16  # rows per step of the "dot" prefix  # later sites per step of the "dot" suffix (a tensor-core product's smallest size)
 
 
@@ -301,9 +301,10 @@ class FullRouting:
         grid = lambda block_t: (triton.cdiv(self.p, block_t), self.heads)  # noqa: E731
         if self.suffix_impl == "dot":
             g_p = max(16, pow2(self.group))
-            # about 4096 elements of the [tokens, sources, K] tile per program, at least 2 tokens so that the
-            # pair-table accesses (contiguous over tokens) are not 4-byte gathers
-            block_t = self.suffix_tokens or max(2, 4096 // (g_p * sum(self.k_split)))
+            # 4 tokens: the best CUDA-graph time at 350M and 1B on the H200 (2026-12-03, call 2; at 100M the
+            # rule of 4096 tile elements gave 4 as well), and the pair-table accesses, contiguous over tokens,
+            # are 16-byte rather than 4-byte gathers
+            block_t = self.suffix_tokens or 4
             launch(kern._suffix_dot_bwd_kernel, grid(block_t), *args,
                 G_P=g_p, BLOCK_T=block_t, K_A=self.k_split[0], K_B=self.k_split[1], S_B=SUFFIX_SITE_BLOCK,
                 ACC=self.acc_tl, PREC=self.prec,
