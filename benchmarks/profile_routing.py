@@ -47,9 +47,7 @@ def kernel_table(prob, options):
 def print_registers():
     from mhar_lit.kernels import _routing_kernels as kern
 
-    for name in ("_append_kernel", "_logits_kernel", "_prefix_fwd_kernel", "_merge_fwd_kernel",
-                 "_suffix_bwd_kernel", "_suffix_dot_bwd_kernel", "_column_bwd_kernel", "_keypath_kernel",
-                 "_query_grad_kernel"):
+    for name in sorted(n for n in vars(kern) if n.endswith("_kernel")):  # every kernel, the new ones too
         fn = getattr(kern, name)
         for caches in getattr(fn, "device_caches", {}).values():
             cache = caches[0] if isinstance(caches, tuple) else caches

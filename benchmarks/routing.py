@@ -75,8 +75,7 @@ def run_once(prob, variant, leaves=None, compiled=None, options=None):
     """Forward + backward of all sites; returns (leaves for grads)."""
     n, H = prob["n"], prob["H"]
     if leaves is None:
-        leaves = [y.detach().requires_grad_() for y in prob["ys"]] + [
-            prob["q"].detach().requires_grad_(), prob["g"].detach().requires_grad_()]
+        leaves = fresh_leaves(prob)
     ys, q, g = leaves[:n], leaves[n], leaves[n + 1]
     routing = None
     if variant == "triton":
@@ -140,14 +139,24 @@ def time_variant(prob, variant, compiled, options, warmup, reps):
         t0 = time.perf_counter()
         run_once(prob, variant, compiled=compiled, options=options)
         return (time.perf_counter() - t0) * 1e3, []
+    return cuda_event_times(lambda leaves: run_once(prob, variant, leaves=leaves, compiled=compiled, options=options),
+                            reps, prepare=lambda: fresh_leaves(prob))
+
+
+def fresh_leaves(prob):
+    return [y.detach().requires_grad_() for y in prob["ys"]] + [
+        prob["q"].detach().requires_grad_(), prob["g"].detach().requires_grad_()]
+
+
+def cuda_event_times(fn, reps, prepare=lambda: None):
+    """(median, all) of fn(prepare()) timed with CUDA events, prepare() outside the timed span."""
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
-        leaves = [y.detach().requires_grad_() for y in prob["ys"]] + [
-            prob["q"].detach().requires_grad_(), prob["g"].detach().requires_grad_()]
+        arg = prepare()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        run_once(prob, variant, leaves=leaves, compiled=compiled, options=options)
+        fn(arg)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
@@ -157,8 +166,7 @@ def time_variant(prob, variant, compiled, options, warmup, reps):
 def time_graphed(prob, options, warmup, reps):
     """The chunked Triton routing's forward + backward captured once in a CUDA graph and replayed: kernel time
     without the host's launch cost (what LanguageModel(cuda_graph=True) runs). Median of reps replays."""
-    leaves = [y.detach().requires_grad_() for y in prob["ys"]] + [
-        prob["q"].detach().requires_grad_(), prob["g"].detach().requires_grad_()]
+    leaves = fresh_leaves(prob)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph requires
@@ -171,17 +179,9 @@ def time_graphed(prob, options, warmup, reps):
     with torch.cuda.graph(graph):
         run_once(prob, "triton", leaves=leaves, options=options)
     graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    result = cuda_event_times(lambda _: graph.replay(), reps)
     del graph
-    return statistics.median(times), times
+    return result
 
 
 def copy_bandwidth():

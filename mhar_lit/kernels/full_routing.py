@@ -15,7 +15,8 @@ Forward. Sources go into one shared buffer rows[n, P, D] (storage dtype) with th
 - Each site then merges in only the in-chunk rows [s0, s] by log-sum-exp; it writes its output and lse.
 Backward. Sources are grouped into groups of G. When the backward reaches the last site of a group, one
 suffix pass reads the group's rows once and every later site's dout once: per pair one K-reduction
-(<dout, v>) and one FMA (value path); it writes dl and the group's partial gradients. Each site's backward
+(<dout, v>) and one FMA (value path), by default as two small tensor-core products per token (see
+PASS_IMPLS); it writes dl and the group's partial gradients. Each site's backward
 then finishes its own source with the in-group sites (full rows), and a tensor-core pass adds the key
 path of all its pairs through the RMSNorm (dl @ w). dq, dg come from one tensor-core pass at the end
 (sum over pairs and tokens of dl kr) with per-block partials summed on the host in a fixed order:
@@ -58,16 +59,16 @@ UNROLL_CHOICES = (1, 2, 4)
 # 11.2 ms on 2026-12-03), 1 above (350M, K 128: 11.5 vs 16.9 ms with 4).
 DEFAULT_PREFIX_UNROLL = 4
 DEFAULT_SUFFIX_UNROLL = 0
-# The suffix pass on CUDA cores ("fma": _suffix_bwd_kernel) or as batched tensor-core products ("dot":
-# _suffix_dot_bwd_kernel; same outputs to fp32 rounding).
-SUFFIX_IMPLS = ("fma", "dot")
-DEFAULT_SUFFIX_IMPL = "dot"
-COLUMN_SITE_BLOCK = 4  # in-group sites per step of the column kernel (their loads issued together)
-SUFFIX_SITE_BLOCK = 16
-PREFIX_IMPLS = ("fma", "dot")  # the prefix pass on CUDA cores or as batched tensor-core products (as the suffix)
+# The prefix (forward) and suffix (backward) passes each have a CUDA-core version ("fma": _prefix_fwd_kernel,
+# _suffix_bwd_kernel) and a batched tensor-core one ("dot": _prefix_dot_fwd_kernel, _suffix_dot_bwd_kernel);
+# same outputs to fp32 rounding. Defaults by the H200 measurement of 2026-12-03 (routing.md, session 6): the
+# dot suffix is 1.6-3.9x faster, the dot prefix 1.4-2.4x slower (the chunk's sites padded to 16 rows).
+PASS_IMPLS = ("fma", "dot")
 DEFAULT_PREFIX_IMPL = "fma"
-PREFIX_ROW_BLOCK = 16  # rows per step of the "dot" prefix  # later sites per step of the "dot" suffix (a tensor-core product's smallest size)
-
+DEFAULT_SUFFIX_IMPL = "dot"
+PREFIX_ROW_BLOCK = 16  # rows per step of the "dot" prefix (a tensor-core product's smallest size)
+SUFFIX_SITE_BLOCK = 16  # later sites per step of the "dot" suffix (likewise)
+COLUMN_SITE_BLOCK = 4  # in-group sites per step of the column kernel (their loads issued together)
 
 class FullRouting:
     """State of chunked full-mode routing for one forward pass (see module docstring)."""
@@ -95,15 +96,14 @@ class FullRouting:
         if suffix_unroll not in (0, *UNROLL_CHOICES):
             raise ValueError(f"suffix_unroll must be one of {(0, *UNROLL_CHOICES)} (0: by head width), "
                              f"got {suffix_unroll}")
-        if prefix_impl not in PREFIX_IMPLS:
-            raise ValueError(f"prefix_impl must be one of {PREFIX_IMPLS}, got {prefix_impl!r}")
+        for name, impl in (("prefix_impl", prefix_impl), ("suffix_impl", suffix_impl)):
+            if impl not in PASS_IMPLS:
+                raise ValueError(f"{name} must be one of {PASS_IMPLS}, got {impl!r}")
         for name, tokens, warps in (("suffix", suffix_tokens, suffix_warps), ("column", column_tokens, column_warps),
                                     ("prefix", prefix_tokens, prefix_warps)):
             if tokens < 0 or tokens & (tokens - 1) or warps < 0:
                 raise ValueError(f"{name}_tokens ({tokens}) must be 0 (automatic) or a power of two, "
                                  f"{name}_warps ({warps}) 0 (automatic) or positive")
-        if suffix_impl not in SUFFIX_IMPLS:
-            raise ValueError(f"suffix_impl must be one of {SUFFIX_IMPLS}, got {suffix_impl!r}")
         check_storage_dtype(embedding_BTD.dtype)
         check_device(embedding_BTD, query_SD, norm_weight_SD)
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
@@ -232,8 +232,9 @@ class FullRouting:
             )
         m, l, acc = self._chunk_state
         if self.prefix_impl == "dot":
-            c_p = max(16, pow2(self.chunk))
-            block_t = self.prefix_tokens or max(2, 4096 // (c_p * sum(self.k_split)))  # as the "dot" suffix
+            c_p = dot_dim(self.chunk)
+            # about 4096 elements of the [tokens, sites, K] accumulator per program, at least 2 tokens
+            block_t = self.prefix_tokens or max(2, 4096 // (c_p * sum(self.k_split)))
             launch(kern._prefix_dot_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads),
                 self.rows, self.z, m, l, acc,
                 s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
@@ -300,7 +301,7 @@ class FullRouting:
                 g0, g_end - g0, g_end, self.n_sites, self.n_sites, self.p, d, self.heads, self.k)
         grid = lambda block_t: (triton.cdiv(self.p, block_t), self.heads)  # noqa: E731
         if self.suffix_impl == "dot":
-            g_p = max(16, pow2(self.group))
+            g_p = dot_dim(self.group)
             # 4 tokens: the best CUDA-graph time at 350M and 1B on the H200 (2026-12-03, call 2; at 100M the
             # rule of 4096 tile elements gave 4 as well), and the pair-table accesses, contiguous over tokens,
             # are 16-byte rather than 4-byte gathers
