@@ -1,11 +1,12 @@
-"""Compile every kernel that a FullRouting forward + backward launches, for a GPU target, on a machine
-without one: the launches are recorded instead of run (on CPU tensors whose values are never read), then
+"""Compile every kernel that a FullRouting (or, with --mode block, BlockRouting) forward + backward launches,
+for a GPU target, on a machine without one: the launches are recorded instead of run (on CPU tensors whose values are never read), then
 each distinct kernel configuration is compiled to a cubin with Triton's bundled ptxas. This catches the
 compile errors that the interpreter does not (a loop-carried variable that changes type, a product shape
 the tensor cores refuse) before any GPU time is spent, and reports registers and spill stack per kernel.
 
     python benchmarks/compile_check.py [--shapes 100M 350M 1B] [--dtype bf16|fp32] [--arch 90]
-                                       [knob=value ...]      (FullRouting keywords, e.g. suffix_impl=fma)
+                                       [--mode full|block] [knob=value ...]  (the routing class's keywords,
+                                                                             e.g. suffix_impl=fma)
 
 Run without TRITON_INTERPRET (the interpreter replaces the kernels). Exit status 1 if any kernel fails.
 """
@@ -30,6 +31,7 @@ from triton.compiler import compile as triton_compile  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import mhar_lit.kernels.block_routing as block_routing  # noqa: E402
 import mhar_lit.kernels.full_routing as full_routing  # noqa: E402
 
 SHAPES = {  # name: (B, T, d, sites, H), as benchmarks/routing.py
@@ -38,31 +40,36 @@ SHAPES = {  # name: (B, T, d, sites, H), as benchmarks/routing.py
     "1B": (2, 1024, 1280, 73, 8),
     "tiny": (1, 64, 480, 21, 3),  # K = 160: the "dot" passes split it as 128 + 32
 }
+BLOCK_SPAN = {"100M": 4, "350M": 6, "1B": 12, "tiny": 4}  # sites per block (benchmarks/train_step.py)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _TYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
-def record_launches(shape, dtype, knobs):
+def record_launches(shape_name, dtype, knobs, mode="full"):
     """(kernel, args, constexprs, num_warps) of every launch of one forward + backward, nothing run."""
-    b, t, d, n, heads = shape
+    b, t, d, n, heads = SHAPES[shape_name]
+    module = full_routing if mode == "full" else block_routing
     calls = []
 
     def record(kernel, grid, *args, num_warps=4, key=None, **constexprs):
         calls.append((kernel, args, constexprs, num_warps))
 
-    saved = full_routing.launch, full_routing.check_device
-    full_routing.launch, full_routing.check_device = record, (lambda *tensors: None)
+    saved = module.launch, module.check_device
+    module.launch, module.check_device = record, (lambda *tensors: None)
     try:
         emb = torch.zeros(b, t, d, dtype=dtype, requires_grad=True)
         q = torch.zeros(n, d, requires_grad=True)
         g = torch.ones(n, d, requires_grad=True)
-        routing = full_routing.FullRouting(emb, q, g, heads, **knobs)
+        if mode == "full":
+            routing = full_routing.FullRouting(emb, q, g, heads, **knobs)
+        else:
+            routing = block_routing.BlockRouting(emb, q, g, heads, BLOCK_SPAN[shape_name], **knobs)
         x = emb
         for s in range(n):
             x = routing.route(s, emb if s == 0 else x * 1.0, *((q, g) if s == 0 else (None, None)))
         x.float().sum().backward()
     finally:
-        full_routing.launch, full_routing.check_device = saved
+        module.launch, module.check_device = saved
     return calls
 
 
@@ -99,12 +106,12 @@ def _usage(cubin: bytes) -> str:
     return f"regs {m.group(1)} spill stack {m.group(2)}" if m else "usage unknown"
 
 
-def compile_all(shape_names, dtype, knobs, arch=90):
+def compile_all(shape_names, dtype, knobs, arch=90, mode="full"):
     """Compile each distinct kernel configuration; returns the number of failures."""
     target = GPUTarget("cuda", arch, 32)
     seen, failures = set(), 0
     for shape_name in shape_names:
-        for kernel, args, constexprs, warps in record_launches(SHAPES[shape_name], dtype, knobs):
+        for kernel, args, constexprs, warps in record_launches(shape_name, dtype, knobs, mode):
             sig, attrs = _signature(kernel, args, constexprs)
             key = (kernel.__name__, tuple(sig.items()), tuple(attrs), tuple(constexprs.items()), warps)
             if key in seen:
@@ -127,13 +134,14 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"], choices=list(SHAPES))
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
-    parser.add_argument("knobs", nargs="*", help="FullRouting keywords name=value")
+    parser.add_argument("--mode", default="full", choices=["full", "block"])
+    parser.add_argument("knobs", nargs="*", help="FullRouting / BlockRouting keywords name=value")
     args = parser.parse_args()
     knobs = {}
     for item in args.knobs:
         name, _, value = item.partition("=")
         knobs[name] = int(value) if value.lstrip("-").isdigit() else value
-    failures = compile_all(args.shapes, DTYPES[args.dtype], knobs, args.arch)
+    failures = compile_all(args.shapes, DTYPES[args.dtype], knobs, args.arch, args.mode)
     print(f"{failures} failed")
     sys.exit(1 if failures else 0)
 

@@ -92,9 +92,9 @@ class RoutedResidual(ResidualStrategy):
 
 
 @dataclass(eq=False)
-class _TritonFullState:
-    """FullAttnRes depth state on the triton backend: the chunked routing of this forward pass (one shared
-    source buffer, see mhar_lit.kernels.full_routing) and the source the next site brings. A dataclass
+class _TritonState:
+    """Depth state on the triton backend (FullAttnRes, BlockAttnRes): the routing object of this forward pass
+    (one shared row buffer: mhar_lit.kernels.full_routing / block_routing) and the tensor the next site brings. A dataclass
     (and a pytree node) so that module-output hooks such as FSDP's find its tensor."""
 
     routing: Any
@@ -102,7 +102,7 @@ class _TritonFullState:
     count: int = 1  # sources produced so far
 
 
-register_state_pytree(_TritonFullState, ("pending",), ("routing", "count"))
+register_state_pytree(_TritonState, ("pending",), ("routing", "count"))
 
 
 class FullAttnRes(RoutedResidual):
@@ -126,33 +126,33 @@ class FullAttnRes(RoutedResidual):
         return [embedding]
 
     def sublayer_input(self, state: list[Tensor], site: int) -> Tensor:
-        if isinstance(state, _TritonFullState):
+        if isinstance(state, _TritonState):
             return self._triton_route(state, site)
         if len(state) != site + 1:
             raise RuntimeError(f"site {site} expected {site + 1} sources, found {len(state)}")
         return self.route_sources(state, site)
 
     def sublayer_output(self, state: list[Tensor], site: int, output: Tensor) -> list[Tensor]:
-        if isinstance(state, _TritonFullState):
+        if isinstance(state, _TritonState):
             state.pending, state.count = output, state.count + 1
             return state
         state.append(output)
         return state
 
     def final(self, state: list[Tensor]) -> Tensor:
-        if isinstance(state, _TritonFullState):
+        if isinstance(state, _TritonState):
             return self._triton_route(state, self.final_site)
         return self.route_sources(state, self.final_site)
 
     # ---- triton path (chunked full-mode routing; the torch path above is unchanged)
-    def _triton_begin(self, embedding: Tensor) -> _TritonFullState:
+    def _triton_begin(self, embedding: Tensor) -> _TritonState:
         from mhar_lit.kernels.full_routing import FullRouting
 
         routing = FullRouting(embedding, self.query, self.key_norm, self.heads, self.eps,
                               chunk=self.triton_chunk, group=self.triton_group)
-        return _TritonFullState(routing, embedding, 1)
+        return _TritonState(routing, embedding, 1)
 
-    def _triton_route(self, state: _TritonFullState, site: int) -> Tensor:
+    def _triton_route(self, state: _TritonState, site: int) -> Tensor:
         if state.count != site + 1 or state.pending is None:
             raise RuntimeError(f"site {site} expected {site + 1} sources, found {state.count}")
         params = (self.query, self.key_norm) if site == 0 else (None, None)
@@ -185,14 +185,22 @@ class BlockAttnRes(RoutedResidual):
 
     Blocks are counted in transformer layers and must tile the depth exactly (no ceil rule): a depth that
     is not a multiple of `layers_per_block` is a ValueError naming both numbers.
+
+    backend="triton" routes through mhar_lit.kernels.block_routing.BlockRouting (one shared row buffer that
+    also forms the partial sums; one launch per site and pass); the order contract of FullAttnRes applies.
+    triton_shared_buffer=False keeps the per-call kernel over a stack of the sources per site (for
+    comparison; it allows checkpointing that recomputes routing).
     """
 
     def __init__(self, heads: int = 8, layers_per_block: int = 2, backend: str = "torch",
-                 random_query_init: bool = False, eps: float = 1e-6) -> None:
+                 random_query_init: bool = False, eps: float = 1e-6, triton_shared_buffer: bool = True,
+                 triton_options: Optional[dict] = None) -> None:
         super().__init__(heads=heads, backend=backend, random_query_init=random_query_init, eps=eps)
         if layers_per_block < 1:
             raise ValueError(f"layers_per_block must be >= 1, got {layers_per_block}")
         self.layers_per_block = layers_per_block
+        self.triton_shared_buffer = triton_shared_buffer  # False: the per-call kernel on stacked sources
+        self.triton_options = dict(triton_options or {})  # BlockRouting keywords (num_warps, tile_elements)
 
     def build(self, config: ModelConfig) -> None:
         if config.num_layers % self.layers_per_block != 0:
@@ -202,9 +210,17 @@ class BlockAttnRes(RoutedResidual):
         super().build(config)
 
     def begin(self, embedding: Tensor) -> _BlockState:
+        if self.backend == "triton" and self.triton_shared_buffer:
+            from mhar_lit.kernels.block_routing import BlockRouting
+
+            routing = BlockRouting(embedding, self.query, self.key_norm, self.heads,
+                                   span=2 * self.layers_per_block, eps=self.eps, **self.triton_options)
+            return _TritonState(routing, embedding, 1)
         return _BlockState([embedding])
 
     def sublayer_input(self, state: _BlockState, site: int) -> Tensor:
+        if isinstance(state, _TritonState):
+            return self._triton_route(state, site)
         layer = layer_of(site)
         if is_attention_site(site) and layer > 0 and layer % self.layers_per_block == 0:
             state.blocks.append(state.partial)  # the previous block is complete
@@ -212,8 +228,23 @@ class BlockAttnRes(RoutedResidual):
         return self.route_sources(state.sources(), site)
 
     def sublayer_output(self, state: _BlockState, site: int, output: Tensor) -> _BlockState:
+        if isinstance(state, _TritonState):  # the kernel adds it into the block's partial sum
+            state.pending, state.count = output, state.count + 1
+            return state
         state.partial = output if state.partial is None else state.partial + output
         return state
 
     def final(self, state: _BlockState) -> Tensor:
+        if isinstance(state, _TritonState):
+            return self._triton_route(state, self.final_site)
         return self.route_sources(state.sources(), self.final_site)
+
+    def _triton_route(self, state: _TritonState, site: int) -> Tensor:
+        if state.count != site + 1 or state.pending is None:
+            raise RuntimeError(f"site {site} expected {site + 1} sublayer inputs, found {state.count}")
+        params = (self.query, self.key_norm) if site == 0 else (None, None)
+        mixed = state.routing.route(site, state.pending, *params)
+        state.pending = None
+        if self.record_weights:
+            self.record(state.routing.sources_view(site), site)
+        return mixed

@@ -1,4 +1,4 @@
-"""Every full-mode routing kernel compiles for an H100/H200 (sm_90) with Triton's bundled ptxas, on this
+"""Every full- and block-mode routing kernel compiles for an H100/H200 (sm_90) with Triton's bundled ptxas, on this
 CPU machine: the interpreter runs the kernels' Python, not the compiler, so errors such as a loop-carried
 variable that changes type or a tensor-core product shape the backend refuses only show on a GPU otherwise
 (benchmarks/compile_check.py; it runs in a subprocess because it needs TRITON_INTERPRET unset)."""
@@ -25,3 +25,13 @@ def test_full_routing_kernels_compile_for_sm90(args):
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "0 failed" in done.stdout and "_suffix" in done.stdout and "_prefix" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_block_routing_kernels_compile_for_sm90(dtype):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compile_check.py"), "--mode", "block",
+                           "--shapes", "tiny", "--dtype", dtype], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "0 failed" in done.stdout and "_block_fwd" in done.stdout and "_block_bwd" in done.stdout, done.stdout

@@ -320,6 +320,7 @@ def _assert_same_grads(ref_model, model, tol):
     (FullAttnRes, {"heads": 8}),
     (FullAttnRes, {"heads": 1, "triton_chunk": 2, "triton_group": 3}),
     (BlockAttnRes, {"heads": 4, "layers_per_block": 1}),
+    (BlockAttnRes, {"heads": 2, "layers_per_block": 2}),  # one block: the final site routes over its partial
     (DeltaAttnRes, {"heads": 4, "layers_per_block": 1}),
 ])
 def test_decoder_triton_equals_torch_with_gradient_accumulation(residual_cls, kwargs):
@@ -382,15 +383,14 @@ def test_decoder_fp32_triton_close_to_float64_torch():
     _assert_same_grads(ref_model, model, 1e-4)
 
 
-def test_bf16_autocast_mixed_source_dtypes_run_on_the_triton_full_path():
-    """bf16-mixed: the embedding is fp32, sublayer outputs bf16; the fused path casts sources into its buffer
-    and matches the reference path under the same autocast (bf16-level tolerance)."""
-    from mhar_lit.config import ModelConfig
-    from mhar_lit.models.decoder import DecoderLM
-    from mhar_lit.residual import FullAttnRes
-
+@pytest.mark.parametrize("strategy", [lambda: FullAttnRes(heads=4, random_query_init=True),
+                                      lambda: BlockAttnRes(heads=4, layers_per_block=1, random_query_init=True)])
+def test_bf16_autocast_mixed_source_dtypes_run_on_the_triton_full_path(strategy):
+    """bf16-mixed: the embedding is fp32, sublayer outputs bf16; the fused paths (full and block mode) cast
+    them into their fp32 buffer and match the reference path under the same autocast (bf16-level
+    tolerance)."""
     torch.manual_seed(0)
-    model = DecoderLM(ModelConfig.from_name("tiny"), FullAttnRes(heads=4, random_query_init=True))
+    model = DecoderLM(ModelConfig.from_name("tiny"), strategy())
     x = torch.randint(0, 256, (2, 9))
     results = {}
     for backend in ("torch", "triton"):

@@ -1,0 +1,194 @@
+"""Block-mode routing benchmark: all 2L+1 routing sites of one microbatch (BlockAttnRes), forward + backward.
+
+    python benchmarks/block_routing.py [--shapes 100M 350M 1B] [--variants torch triton_percall triton]
+                                       [--configs 4x4096 8x4096] [--graph] [--out benchmarks/results]
+
+The strategy object itself is driven (begin / sublayer_input / sublayer_output / final), with the sublayers
+replaced as in benchmarks/routing.py by precomputed outputs tied to the site outputs (_Tie), so the partial
+sums, block boundaries and autograd order are the model's. Variants:
+  torch           BlockAttnRes(backend="torch"): stacked sources, the eager PyTorch reference
+  triton_percall  BlockAttnRes(backend="triton", triton_shared_buffer=False): per-call kernel on a stack
+  triton          BlockAttnRes(backend="triton"): BlockRouting, one shared row buffer (--configs: warps x tile
+                  elements of its kernels; the first is the default)
+Every variant and config is first checked on the GPU against the fp32 reference (fp32 and bf16 storage, fewer
+tokens). Times: CUDA events after warm-up, medians; --graph also replays each triton config from a CUDA graph
+(kernel time without host launch cost). Bytes: the traffic the shared-buffer kernels need (module docstring
+of mhar_lit.kernels.block_routing), for a bandwidth floor. Prints a table last; writes JSON under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from routing import DEVICE, SHAPES, _Tie, copy_bandwidth, cuda_event_times, rel  # noqa: E402
+
+from mhar_lit.config import ModelConfig  # noqa: E402
+from mhar_lit.residual import BlockAttnRes  # noqa: E402
+
+BLOCK_LAYERS = {"100M": 2, "350M": 3, "1B": 6, "tiny": 1}  # as benchmarks/train_step.py
+
+
+def make_strategy(shape_name, variant, dtype, config=None):
+    d, L, H, _, _ = SHAPES[shape_name]
+    backend = "torch" if variant == "torch" else "triton"
+    knobs = dict(num_warps=config[0], tile_elements=config[1]) if config else {}
+    strat = BlockAttnRes(heads=H, layers_per_block=BLOCK_LAYERS[shape_name], backend=backend,
+                         triton_shared_buffer=variant != "triton_percall", triton_options=knobs)
+    strat.bind(ModelConfig(hidden_size=d, num_layers=L, num_heads=H, num_kv_heads=H, vocab_size=16))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        strat.query.copy_(torch.randn(strat.query.shape, generator=gen) * 0.5)
+        strat.key_norm.copy_(1 + 0.2 * torch.randn(strat.key_norm.shape, generator=gen))
+    return strat.to(device=DEVICE, dtype=dtype)
+
+
+def make_problem(shape_name, tokens, dtype, seed=0):
+    d, L, _, B, T = SHAPES[shape_name]
+    b, t = (1, tokens) if tokens else (B, T)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    n = 2 * L + 1
+    kw = dict(device=DEVICE, generator=gen)
+    ys = [(torch.randn(b, t, d, **kw) * (0.5 + s % 3)).to(dtype) for s in range(n)]  # ys[0]: the embedding
+    douts = [torch.randn(b, t, d, **kw).to(dtype) for _ in range(n)]
+    return dict(n=n, ys=ys, douts=douts)
+
+
+def run_once(strat, prob):
+    """Forward + backward of every site; returns the leaves (embedding and sublayer outputs)."""
+    n = prob["n"]
+    leaves = [y.detach().requires_grad_() for y in prob["ys"]]
+    strat.zero_grad(set_to_none=True)
+    state = strat.begin(leaves[0])
+    for s in range(n - 1):
+        x = strat.sublayer_input(state, s)
+        state = strat.sublayer_output(state, s, _Tie.apply(x, leaves[s + 1], prob["douts"][s]))
+    strat.final(state).backward(prob["douts"][n - 1])
+    return leaves
+
+
+def grads(strat, leaves):
+    return [torch.stack([leaf.grad for leaf in leaves]), strat.query.grad, strat.key_norm.grad]
+
+
+def check(shape_name, variant, config, tokens=256):
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = make_strategy(shape_name, "torch", torch.float32)
+        exact = grads(ref, run_once(ref, _as(make_problem(shape_name, tokens, dtype, seed=1), torch.float32)))
+        strat = make_strategy(shape_name, variant, dtype, config)
+        got = grads(strat, run_once(strat, make_problem(shape_name, tokens, dtype, seed=1)))
+        errs = [rel(a, b) for a, b in zip(got, exact)]
+        if dtype == torch.bfloat16:
+            low = make_strategy(shape_name, "torch", dtype)
+            ref_errs = [rel(a, b) for a, b in zip(grads(low, run_once(low, make_problem(shape_name, tokens, dtype, 1))),
+                                                  exact)]
+            out["bf16"] = dict(errors=errs, reference_errors=ref_errs,
+                               ok=all(e <= 2 * r + 1e-3 for e, r in zip(errs, ref_errs)))
+        else:
+            out["fp32"] = dict(errors=errs, ok=all(e <= 1e-4 for e in errs))
+    return out
+
+
+def _as(prob, dtype):
+    return dict(prob, ys=[y.to(dtype) for y in prob["ys"]], douts=[g.to(dtype) for g in prob["douts"]])
+
+
+def time_eager(strat, prob, warmup, reps):
+    for _ in range(warmup):
+        run_once(strat, prob)
+    return cuda_event_times(lambda _: run_once(strat, prob), reps)
+
+
+def time_graphed(strat, prob, warmup, reps):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            run_once(strat, prob)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_once(strat, prob)
+    graph.replay()
+    result = cuda_event_times(lambda _: graph.replay(), reps)
+    del graph
+    return result
+
+
+def traffic_bytes(shape_name, itemsize):
+    """Bytes the shared-buffer kernels move per forward + backward. Per (site, block row) pair: the row read
+    in both passes and the fp32 gradient accumulator read + written in the backward. Per site: forward y, the
+    previous row, the own row written, out; backward own row, dout, out, dsrc (storage dtype) and the fp32
+    chain read + written."""
+    d, L, _, B, T = SHAPES[shape_name]
+    n, span, row = 2 * L + 1, 2 * BLOCK_LAYERS[shape_name], B * T * d
+    pairs = sum(-(-s // span) for s in range(n))
+    return (pairs * (2 * itemsize + 8) + n * (8 * itemsize + 8)) * row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"], choices=list(SHAPES))
+    parser.add_argument("--variants", nargs="+", default=["torch", "triton_percall", "triton"])
+    parser.add_argument("--configs", nargs="+", default=["4x4096", "8x4096", "8x8192", "4x2048"],
+                        help="triton warps x tile elements (BlockRouting num_warps, tile_elements)")
+    parser.add_argument("--graph", action="store_true")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs]
+    bandwidth = copy_bandwidth()
+    results, rows = [], []
+    for shape_name in args.shapes:
+        prob = make_problem(shape_name, 0, torch.bfloat16)
+        floor = traffic_bytes(shape_name, 2) / bandwidth * 1e3
+        for variant in args.variants:
+            for config in (configs if variant == "triton" else [None]):
+                label = variant + (f" {config[0]}w/{config[1]}" if config else "")
+                checked = check(shape_name, variant, config)
+                ok = checked["fp32"]["ok"] and checked["bf16"]["ok"]
+                entry = dict(shape=shape_name, variant=variant, config=config, check=checked)
+                if not ok:
+                    rows.append((shape_name, label, "CHECK FAILED", "", ""))
+                    results.append(entry)
+                    continue
+                strat = make_strategy(shape_name, variant, torch.bfloat16, config)
+                median, times = time_eager(strat, prob, args.warmup, args.reps) if DEVICE == "cuda" else (0.0, [])
+                entry.update(eager_ms=median, eager_times=times)
+                graphed = ""
+                if args.graph and variant == "triton" and DEVICE == "cuda":
+                    entry["graph_ms"], entry["graph_times"] = time_graphed(strat, prob, args.warmup, args.reps)
+                    graphed = f"{entry['graph_ms']:.2f}"
+                results.append(entry)
+                rows.append((shape_name, label, f"{median:.2f}", graphed, f"{floor:.2f}"))
+                del strat
+                torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H-%M-%S")
+    meta = dict(date=stamp, command=shlex.join(sys.argv), torch=torch.__version__,
+                device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", bandwidth_Bps=bandwidth)
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"block_routing_{stamp}.json"), "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1)
+    print(f"\n{'shape':6s} {'variant':22s} {'eager ms':>10s} {'graph ms':>9s} {'floor ms':>9s}")
+    for row in rows:
+        print(f"{row[0]:6s} {row[1]:22s} {row[2]:>10s} {row[3]:>9s} {row[4]:>9s}")
+
+
+if __name__ == "__main__":
+    main()

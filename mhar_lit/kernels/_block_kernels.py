@@ -1,0 +1,123 @@
+"""Triton kernels of block-mode routing with a shared row buffer (block_routing.py; SPEC D).
+
+Rows. Site s (0..n-1, n = 2L+1) creates row R_s of the buffer rows[n, P, D] (storage dtype):
+    R_0 = embedding;  R_s = y_{s-1} + (R_{s-1} if site s-1 does not start a block else 0)
+so R_s is the running partial sum of the current block, and at a block's first site s0 it is the sum of the
+whole previous block: the completed block row. Block rows sit at s0 = j * span (span = 2 * layers per block).
+Site s routes over the block rows j * span < s (their statistics r were stored when they were created) and
+its own row R_s; this is BlockAttnRes's [embedding, B_1, .., B_{n-1}] + [partial], in the same order.
+
+Backward, site by site in reverse order: a site's pairs with block rows add their gradient into an fp32
+accumulator G[j] (the final site, first in the backward, initialises every G[j]); its own row's gradient
+is finished at once: the local pair, plus G[j] when the row is a block row (every later site has added to
+it), plus the gradient of R_{s+1} when R_{s+1} contains R_s (the chain through the partial sum, kept in
+fp32). That total is the gradient of y_{s-1}. Pair math as in _routing_kernels (module docstring).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mhar_lit.kernels._routing_kernels import _online_update, _pair_bwd, _rsqrt_mean_square, _to_storage
+
+
+@triton.jit
+def _full_row_tile(P, D, H, K, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr):
+    """This program's [BLOCK_T, H_P, K_P] tile of full rows: offsets into a [P, D] row and masks."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.arange(0, H_P)
+    offs_k = tl.arange(0, K_P)
+    mask_t = offs_t < P
+    mask_hk = (offs_h[:, None] < H) & (offs_k[None, :] < K)
+    col_HK = offs_h[:, None] * K + offs_k[None, :]
+    tile = offs_t[:, None, None].to(tl.int64) * D + col_HK[None, :, :]
+    mask = mask_t[:, None, None] & mask_hk[None, :, :]
+    th = offs_t[:, None].to(tl.int64) * H + offs_h[None, :]
+    mask_th = mask_t[:, None] & (offs_h[None, :] < H)
+    return offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th
+
+
+@triton.jit(do_not_specialize=["site", "n_blk", "span", "add_prev"])
+def _block_fwd_kernel(
+    new_ptr, rows_ptr, r_ptr, w_ptr, out_ptr, lse_ptr, site, n_blk, span, add_prev, P, D, H, K, eps,
+    BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+):
+    """Site `site`: write its row R_s (new + R_{s-1} if add_prev) with its statistic, then the online softmax
+    over the n_blk block rows j * span and R_s; writes out [P, D] and lse[site] [P, H]."""
+    offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
+    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
+    store_ty = rows_ptr.dtype.element_ty
+
+    own = tl.load(new_ptr + tile, mask=mask, other=0.0).to(ACC)
+    prev_row = tl.maximum(site - 1, 0)
+    own += tl.load(rows_ptr + prev_row * row_stride + tile, mask=mask & (add_prev != 0), other=0.0).to(ACC)
+    own = _to_storage(own, store_ty)
+    tl.store(rows_ptr + site * row_stride + tile, own, mask=mask)
+    own = own.to(ACC)
+    r_own = _rsqrt_mean_square(own, D, eps)
+    tl.store(r_ptr + site * P + offs_t, r_own, mask=mask_t)
+
+    w_HK = tl.load(w_ptr + site * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
+    m = tl.full([BLOCK_T, H_P], float("-inf"), ACC)
+    l = tl.zeros([BLOCK_T, H_P], ACC)
+    acc = tl.zeros([BLOCK_T, H_P, K_P], ACC)
+    for j in range(0, n_blk):
+        row = j * span
+        v = tl.load(rows_ptr + row * row_stride + tile, mask=mask, other=0.0).to(ACC)
+        r = tl.load(r_ptr + row * P + offs_t, mask=mask_t, other=0.0)
+        m, l, acc = _online_update(v, r, w_HK, m, l, acc, store_ty)
+    m, l, acc = _online_update(own, r_own, w_HK, m, l, acc, store_ty)
+
+    out = acc / l[:, :, None]
+    tl.store(out_ptr + tile, _to_storage(out, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + site * P * H + th, m + tl.log(l), mask=mask_th)
+
+
+@triton.jit
+def _pair_grad_full(v, r, dout, w_HK, lse, S, D, store_ty: tl.constexpr, ACC: tl.constexpr):
+    """Finished gradient of one source row for one site (RMSNorm coupling included) and its A tile."""
+    kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
+    dv, c, a_HK = _pair_bwd(v, kr, r, dout, w_HK, lse, S)
+    dv -= (r * r * c / D)[:, None, None] * v
+    return dv, a_HK
+
+
+@triton.jit(do_not_specialize=["site", "n_blk", "span", "own_block", "has_chain", "write_chain", "a_slot"])
+def _block_bwd_kernel(
+    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, g_ptr, chain_ptr, dsrc_ptr, a_ptr,
+    site, n_blk, span, own_block, has_chain, write_chain, a_slot, P, D, H, K,
+    FIRST: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+):
+    """Backward of site `site` (see module docstring): G[j] (+)= the block rows' pair gradients; dsrc = the
+    finished gradient of R_s (own pair + G[own_block] if own_block >= 0 + chain if has_chain), also kept in
+    chain (fp32) if write_chain; this program's partial of A into a[a_slot, pid] (summed on the host)."""
+    offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
+    row_stride = (tl.full([], 0, tl.int64) + P) * D
+    store_ty = rows_ptr.dtype.element_ty
+
+    dout = tl.load(dout_ptr + tile, mask=mask, other=0.0).to(ACC)
+    S = tl.sum(dout * tl.load(out_ptr + tile, mask=mask, other=0.0).to(ACC), axis=2)
+    w_HK = tl.load(w_ptr + site * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
+    lse = tl.load(lse_ptr + site * P * H + th, mask=mask_th, other=0.0)
+    a = tl.zeros([H_P, K_P], ACC)
+    for j in range(0, n_blk):
+        row = j * span
+        v = tl.load(rows_ptr + row * row_stride + tile, mask=mask, other=0.0).to(ACC)
+        r = tl.load(r_ptr + row * P + offs_t, mask=mask_t, other=0.0)
+        dv, a_HK = _pair_grad_full(v, r, dout, w_HK, lse, S, D, store_ty, ACC)
+        a += a_HK
+        if not FIRST:
+            dv += tl.load(g_ptr + j * row_stride + tile, mask=mask, other=0.0)
+        tl.store(g_ptr + j * row_stride + tile, dv, mask=mask)
+
+    v = tl.load(rows_ptr + site * row_stride + tile, mask=mask, other=0.0).to(ACC)
+    r = tl.load(r_ptr + site * P + offs_t, mask=mask_t, other=0.0)
+    dv, a_HK = _pair_grad_full(v, r, dout, w_HK, lse, S, D, store_ty, ACC)
+    a += a_HK
+    own_g = tl.maximum(own_block, 0)
+    dv += tl.load(g_ptr + own_g * row_stride + tile, mask=mask & (own_block >= 0), other=0.0)
+    dv += tl.load(chain_ptr + tile, mask=mask & (has_chain != 0), other=0.0)
+    tl.store(chain_ptr + tile, dv, mask=mask & (write_chain != 0))
+    tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
+    tl.store(a_ptr + (a_slot * tl.num_programs(0) + tl.program_id(0)) * D + col_HK, a, mask=mask_hk)

@@ -1,0 +1,217 @@
+"""Block-mode routing over one shared row buffer (BlockAttnRes, backend="triton"; SPEC D).
+
+One `BlockRouting` object lives for one forward pass. Site s (0..n-1, n = 2L+1, called in order) brings
+y_{s-1} (site 0: the embedding); the kernel forms the block's running partial sum R_s in the buffer itself
+(see _block_kernels), so a site costs one launch and one autograd node: no stack of the sources per site, no
+separate partial-sum add, no copies of the block sums. Each site reads the completed block rows and its own
+row once; the statistic of a block row is taken once, when the row is written.
+
+Backward: one launch per site, strict reverse order (autograd's, since every site's output feeds the next
+site's row). Block rows accumulate their gradient over the sites that read them in an fp32 buffer G; every
+other row's gradient is finished by its own site. dq, dg are per-program partials, reduced on the host in a
+fixed order every A_SLOTS sites: deterministic, no atomics.
+
+Order contract as in FullRouting: activation checkpointing that recomputes routing, or a backward that does
+not start at the final site, raises. A retained graph may be differentiated again. (An intermediate site
+whose output nothing uses ends autograd's walk early without an error, in FullRouting too; every site of a
+model feeds the next sublayer, so only hand-built stacks can do that.)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from mhar_lit.kernels import _block_kernels as kern
+from mhar_lit.kernels.launch import launch
+from mhar_lit.kernels.routing_triton import (TILE_ELEMENTS, accumulator, check_device, check_storage_dtype,
+                                             pow2, tile_tokens)
+
+A_SLOTS = 8  # sites whose dq/dg partials are kept before one host reduction (memory: A_SLOTS x programs x D)
+
+
+def aligned(x: Tensor) -> bool:
+    return x.data_ptr() % 16 == 0
+
+
+class BlockRouting:
+    """State of block-mode routing for one forward pass (see module docstring). `span` = sites per block
+    (2 x layers per block); the final site (n - 1) belongs to the last block."""
+
+    def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int, span: int,
+                 eps: float = 1e-6, num_warps: int = 4, tile_elements: int = TILE_ELEMENTS) -> None:
+        if embedding_BTD.dim() != 3:
+            raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
+        b, t, d = embedding_BTD.shape
+        n = query_SD.shape[0]
+        if query_SD.shape != (n, d) or norm_weight_SD.shape != (n, d):
+            raise ValueError(f"query {tuple(query_SD.shape)} and norm_weight {tuple(norm_weight_SD.shape)} "
+                             f"must both be (sites, {d})")
+        if d % heads != 0:
+            raise ValueError(f"hidden size {d} is not divisible by the number of routing heads {heads}")
+        if span < 2 or span % 2 or (n - 1) % span:
+            raise ValueError(f"sites per block ({span}) must be an even number that divides the {n - 1} "
+                             "layer sites")
+        check_storage_dtype(embedding_BTD.dtype)
+        check_device(embedding_BTD, query_SD, norm_weight_SD)
+        self.shape, self.n_sites, self.heads, self.eps, self.span = (b, t, d), n, heads, eps, span
+        self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
+        self.acc_t, self.acc_tl = accumulator(self.dtype)
+        self.p, self.k = b * t, d // heads
+        self.h_p, self.k_p = pow2(heads), pow2(self.k)
+        self.block_t = tile_tokens(self.h_p * self.k_p, tile_elements)
+        self.programs = triton.cdiv(self.p, self.block_t)
+        self.num_warps = num_warps
+        self.param_dtypes = (query_SD.dtype, norm_weight_SD.dtype)
+        self._key = (self.shape, n, heads, eps, self.dtype, span)
+        with torch.no_grad():
+            self.q_SD = query_SD.detach().to(self.acc_t).clone()
+            self.g_SD = norm_weight_SD.detach().to(self.acc_t).clone()
+            self.w_SD = (self.q_SD * self.g_SD).contiguous()
+        self.rows = torch.empty(n, self.p, d, dtype=self.dtype, device=self.device)
+        self.r = torch.empty(n, self.p, dtype=self.acc_t, device=self.device)
+        self.lse = torch.empty(n, self.p, heads, dtype=self.acc_t, device=self.device)
+        self.next_site = 0
+        self.next_backward = n - 1
+        self._bwd: Optional[dict] = None
+
+    # ---------------------------------------------------------------- site structure
+    def is_block_start(self, site: int) -> bool:
+        return site < self.n_sites - 1 and site % self.span == 0
+
+    def block_rows_before(self, site: int) -> int:
+        """How many completed block rows (at 0, span, 2 span, ...) lie before `site`'s own row."""
+        return -(-site // self.span)
+
+    def source_rows(self, site: int) -> list[int]:
+        """Buffer rows `site` routes over, in the reference's order: block rows, then its own row."""
+        return [j * self.span for j in range(self.block_rows_before(site))] + [site]
+
+    # ---------------------------------------------------------------- public
+    def route(self, site: int, new_BTD: Tensor, query_SD: Optional[Tensor] = None,
+              norm_weight_SD: Optional[Tensor] = None) -> Tensor:
+        """Output of `site`; `new_BTD` is y_{site-1}, the previous sublayer's output (site 0: the embedding).
+        Site 0 must also get the full query and key-norm parameters (autograd delivers their gradients
+        there)."""
+        if site == 0 and (query_SD is None or norm_weight_SD is None):
+            raise ValueError("site 0 must receive the full query and norm_weight parameters")
+        return _BlockSiteFunction.apply(self, site, new_BTD, query_SD, norm_weight_SD)
+
+    def sources_view(self, site: int) -> Tensor:
+        """The sources of `site` as [N, B, T, D] (a copy; monitors, during the forward)."""
+        if self.rows is None:
+            raise RuntimeError("the routing's row buffer was released by the end of its backward pass; "
+                               "sources_view is for use during the forward pass")
+        if site >= self.next_site:
+            raise RuntimeError(f"site {site} has not been routed yet")
+        return self.rows[self.source_rows(site)].view(-1, *self.shape)
+
+    def saved_state(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.rows, self.r, self.lse
+
+    def restore(self, rows: Tensor, r: Tensor, lse: Tensor) -> None:
+        self.rows, self.r, self.lse = rows, r, lse
+
+    def release(self) -> None:
+        self.rows = self.r = self.lse = None
+
+    # ---------------------------------------------------------------- forward
+    def forward_site(self, site: int, new_BTD: Tensor) -> Tensor:
+        if site != self.next_site:
+            raise RuntimeError(
+                f"block-mode triton routing expected site {self.next_site}, got site {site}: sites must run once "
+                "each, in order, per forward pass. Activation checkpointing that recomputes routing is not "
+                "supported by this path (checkpoint only the sublayers, or use backend='torch')."
+            )
+        if new_BTD.shape != self.shape or new_BTD.device != self.device:
+            raise ValueError(f"site {site}: input {tuple(new_BTD.shape)} on {new_BTD.device} does not match "
+                             f"{self.shape} on {self.device}")
+        check_storage_dtype(new_BTD.dtype)
+        d = self.shape[2]
+        new = new_BTD.contiguous()
+        add_prev = int(site > 0 and not self.is_block_start(site - 1))
+        out_PD = torch.empty(self.p, d, dtype=self.dtype, device=self.device)
+        launch(kern._block_fwd_kernel, (self.programs,),
+            new, self.rows, self.r, self.w_SD, out_PD, self.lse,
+            site, self.block_rows_before(site), self.span, add_prev, self.p, d, self.heads, self.k, self.eps,
+            BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl, num_warps=self.num_warps,
+            key=(self._key, new.dtype, aligned(new)),
+        )
+        self.next_site += 1
+        return out_PD.view(self.shape)
+
+    # ---------------------------------------------------------------- backward
+    def backward_site(self, site: int, out_BTD: Tensor, dout_BTD: Tensor):
+        n = self.n_sites
+        if site == n - 1:  # a (re)start: retain_graph lets autograd run the backward again
+            self.next_backward, self._bwd = site, None
+        if site != self.next_backward:
+            raise RuntimeError(
+                f"block-mode triton routing expected the backward of site {self.next_backward}, got site {site}: "
+                "the backward must visit every site once, in reverse order (is the output of some site unused "
+                "by the loss, or is the graph being differentiated twice?)"
+            )
+        if self.next_site != n:
+            raise RuntimeError(f"backward started after {self.next_site} of {n} sites: the forward pass did "
+                               "not reach the final routing site")
+        if self._bwd is None:
+            self._bwd = self._backward_buffers()
+        bw, p, d = self._bwd, self.p, self.shape[2]
+        dout = dout_BTD.to(self.dtype).contiguous()
+        start = self.is_block_start(site)
+        dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
+        launch(kern._block_bwd_kernel, (self.programs,),
+            self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["G"], bw["chain"], dsrc_PD, bw["a"],
+            site, self.block_rows_before(site), self.span, site // self.span if start else -1,
+            int(not start and site < n - 1), int(site > 0 and not self.is_block_start(site - 1)),
+            site % A_SLOTS, p, d, self.heads, self.k,
+            FIRST=site == n - 1, BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
+            num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
+        )
+        if site % A_SLOTS == 0:  # sites [site, site + A_SLOTS) are complete
+            last = min(site + A_SLOTS, n)
+            torch.sum(bw["a"][: last - site], dim=1, out=bw["A"][site:last])
+        self.next_backward -= 1
+        if site > 0:
+            return dsrc_PD.view(self.shape), None, None
+        a_SD = bw["A"]
+        dq = (a_SD * self.g_SD).to(self.param_dtypes[0])
+        dg = (a_SD * self.q_SD).to(self.param_dtypes[1])
+        self._bwd = None
+        self.release()  # a retained graph's rerun restores the state from the final site's saved tensors
+        return dsrc_PD.view(self.shape), dq, dg
+
+    def _backward_buffers(self) -> dict:
+        n, p, d = self.n_sites, self.p, self.shape[2]
+        blocks = self.block_rows_before(n - 1)
+        acc = dict(dtype=self.acc_t, device=self.device)
+        return {
+            "G": torch.empty(blocks, p, d, **acc),  # block rows' gradients, summed over the sites reading them
+            "chain": torch.empty(p, d, **acc),  # the gradient of R_{s+1}, for the R_s it contains
+            "a": torch.empty(min(A_SLOTS, n), self.programs, d, **acc),
+            "A": torch.empty(n, d, **acc),
+        }
+
+
+class _BlockSiteFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, routing: BlockRouting, site: int, new_BTD: Tensor, query_SD: Optional[Tensor],
+                norm_weight_SD: Optional[Tensor]) -> Tensor:
+        ctx.routing, ctx.site, ctx.new_dtype = routing, site, new_BTD.dtype
+        out_BTD = routing.forward_site(site, new_BTD)
+        final = site == routing.n_sites - 1
+        ctx.save_for_backward(out_BTD, *(routing.saved_state() if final else ()))
+        return out_BTD
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout_BTD: Tensor):
+        out_BTD, *state = ctx.saved_tensors
+        if state:
+            ctx.routing.restore(*state)
+        dsrc, dq, dg = ctx.routing.backward_site(ctx.site, out_BTD, dout_BTD)
+        return None, None, dsrc.to(ctx.new_dtype), dq, dg
