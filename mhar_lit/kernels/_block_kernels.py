@@ -41,7 +41,7 @@ def _full_row_tile(P, D, H, K, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl
 @triton.jit(do_not_specialize=["site", "n_blk", "span", "add_prev"])
 def _block_fwd_kernel(
     new_ptr, rows_ptr, r_ptr, w_ptr, out_ptr, lse_ptr, site, n_blk, span, add_prev, P, D, H, K, eps,
-    BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """Site `site`: write its row R_s (new + R_{s-1} if add_prev) with its statistic, then the online softmax
     over the n_blk block rows j * span and R_s; writes out [P, D] and lse[site] [P, H]."""
@@ -62,16 +62,35 @@ def _block_fwd_kernel(
     m = tl.full([BLOCK_T, H_P], float("-inf"), ACC)
     l = tl.zeros([BLOCK_T, H_P], ACC)
     acc = tl.zeros([BLOCK_T, H_P, K_P], ACC)
-    for j in range(0, n_blk):
+    for j in range(0, n_blk, UNROLL):  # UNROLL = 2: two rows' loads issued together
         row = j * span
         v = tl.load(rows_ptr + row * row_stride + tile, mask=mask, other=0.0).to(ACC)
         r = tl.load(r_ptr + row * P + offs_t, mask=mask_t, other=0.0)
-        m, l, acc = _online_update(v, r, w_HK, m, l, acc, store_ty)
+        if UNROLL == 2:
+            second = j + 1 < n_blk
+            v2 = tl.load(rows_ptr + (row + span) * row_stride + tile, mask=mask & second, other=0.0).to(ACC)
+            r2 = tl.load(r_ptr + (row + span) * P + offs_t, mask=mask_t & second, other=0.0)
+            m, l, acc = _online_update(v, r, w_HK, m, l, acc, store_ty)
+            m, l, acc = _online_update_if(v2, r2, second, w_HK, m, l, acc, store_ty)
+        else:
+            m, l, acc = _online_update(v, r, w_HK, m, l, acc, store_ty)
     m, l, acc = _online_update(own, r_own, w_HK, m, l, acc, store_ty)
 
     out = acc / l[:, :, None]
     tl.store(out_ptr + tile, _to_storage(out, out_ptr.dtype.element_ty), mask=mask)
     tl.store(lse_ptr + site * P * H + th, m + tl.log(l), mask=mask_th)
+
+
+@triton.jit
+def _online_update_if(v, r, valid, w_HK, m, l, acc, store_ty: tl.constexpr):
+    """_online_update that changes nothing when `valid` is false (the row past the end of an unrolled step;
+    the first row of every step is valid, so m is finite here)."""
+    kr = _to_storage(v * r[:, None, None], store_ty).to(v.dtype)
+    logit = tl.where(valid, tl.sum(kr * w_HK[None, :, :], axis=2), float("-inf"))
+    m_new = tl.maximum(m, logit)
+    scale = tl.exp(m - m_new)
+    p = tl.exp(logit - m_new)
+    return m_new, l * scale + p, acc * scale[:, :, None] + p[:, :, None] * v
 
 
 @triton.jit
@@ -88,6 +107,7 @@ def _block_bwd_kernel(
     rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, g_ptr, chain_ptr, dsrc_ptr, a_ptr,
     site, n_blk, span, own_block, has_chain, write_chain, a_slot, P, D, H, K,
     FIRST: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """Backward of site `site` (see module docstring): G[j] (+)= the block rows' pair gradients; dsrc = the
     finished gradient of R_s (own pair + G[own_block] if own_block >= 0 + chain if has_chain), also kept in
@@ -101,15 +121,32 @@ def _block_bwd_kernel(
     w_HK = tl.load(w_ptr + site * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
     lse = tl.load(lse_ptr + site * P * H + th, mask=mask_th, other=0.0)
     a = tl.zeros([H_P, K_P], ACC)
-    for j in range(0, n_blk):
+    for j in range(0, n_blk, UNROLL):  # UNROLL = 2: two rows' loads issued together
         row = j * span
         v = tl.load(rows_ptr + row * row_stride + tile, mask=mask, other=0.0).to(ACC)
         r = tl.load(r_ptr + row * P + offs_t, mask=mask_t, other=0.0)
-        dv, a_HK = _pair_grad_full(v, r, dout, w_HK, lse, S, D, store_ty, ACC)
-        a += a_HK
-        if not FIRST:
-            dv += tl.load(g_ptr + j * row_stride + tile, mask=mask, other=0.0)
-        tl.store(g_ptr + j * row_stride + tile, dv, mask=mask)
+        if UNROLL == 2:
+            # a row past the end loads as zeros: its kr is 0, so its A tile is 0; its dv is never stored
+            mask2 = mask & (j + 1 < n_blk)
+            v2 = tl.load(rows_ptr + (row + span) * row_stride + tile, mask=mask2, other=0.0).to(ACC)
+            r2 = tl.load(r_ptr + (row + span) * P + offs_t, mask=mask_t & (j + 1 < n_blk), other=0.0)
+            if not FIRST:
+                g = tl.load(g_ptr + j * row_stride + tile, mask=mask, other=0.0)
+                g2 = tl.load(g_ptr + (j + 1) * row_stride + tile, mask=mask2, other=0.0)
+            dv, a_HK = _pair_grad_full(v, r, dout, w_HK, lse, S, D, store_ty, ACC)
+            dv2, a2_HK = _pair_grad_full(v2, r2, dout, w_HK, lse, S, D, store_ty, ACC)
+            a += a_HK + a2_HK
+            if not FIRST:
+                dv += g
+                dv2 += g2
+            tl.store(g_ptr + j * row_stride + tile, dv, mask=mask)
+            tl.store(g_ptr + (j + 1) * row_stride + tile, dv2, mask=mask2)
+        else:
+            dv, a_HK = _pair_grad_full(v, r, dout, w_HK, lse, S, D, store_ty, ACC)
+            a += a_HK
+            if not FIRST:
+                dv += tl.load(g_ptr + j * row_stride + tile, mask=mask, other=0.0)
+            tl.store(g_ptr + j * row_stride + tile, dv, mask=mask)
 
     v = tl.load(rows_ptr + site * row_stride + tile, mask=mask, other=0.0).to(ACC)
     r = tl.load(r_ptr + site * P + offs_t, mask=mask_t, other=0.0)

@@ -28,10 +28,15 @@ from torch.autograd.function import once_differentiable
 
 from mhar_lit.kernels import _block_kernels as kern
 from mhar_lit.kernels.launch import launch
-from mhar_lit.kernels.routing_triton import (TILE_ELEMENTS, accumulator, check_device, check_storage_dtype,
-                                             pow2, tile_tokens)
+from mhar_lit.kernels.routing_triton import accumulator, check_device, check_storage_dtype, pow2, tile_tokens
 
 A_SLOTS = 8  # sites whose dq/dg partials are kept before one host reduction (memory: A_SLOTS x programs x D)
+# Tile and warps from the H200 measurement of 2026-12-03 (session 7, call 1; benchmarks/results/block_routing.md):
+# of 4 / 8 warps x 2048 / 4096 / 8192 tile elements, 4 warps x 2048 was fastest at every shape (CUDA graph
+# 6.2 / 7.7 / 8.8 ms at 100M / 350M / 1B, against 7.7 / 13.4 / 13.8 ms for 4 x 4096).
+DEFAULT_WARPS = 4
+DEFAULT_TILE = 2048
+UNROLL_CHOICES = (1, 2)  # block rows whose loads a step of the kernels' loops issues together
 
 
 def aligned(x: Tensor) -> bool:
@@ -43,7 +48,8 @@ class BlockRouting:
     (2 x layers per block); the final site (n - 1) belongs to the last block."""
 
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int, span: int,
-                 eps: float = 1e-6, num_warps: int = 4, tile_elements: int = TILE_ELEMENTS) -> None:
+                 eps: float = 1e-6, num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE,
+                 unroll: int = 1) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -56,8 +62,13 @@ class BlockRouting:
         if span < 2 or span % 2 or (n - 1) % span:
             raise ValueError(f"sites per block ({span}) must be an even number that divides the {n - 1} "
                              "layer sites")
+        if unroll not in UNROLL_CHOICES:
+            raise ValueError(f"unroll must be one of {UNROLL_CHOICES}, got {unroll}")
+        if num_warps < 1 or tile_elements < 1:
+            raise ValueError(f"num_warps ({num_warps}) and tile_elements ({tile_elements}) must be positive")
         check_storage_dtype(embedding_BTD.dtype)
         check_device(embedding_BTD, query_SD, norm_weight_SD)
+        self.unroll = unroll
         self.shape, self.n_sites, self.heads, self.eps, self.span = (b, t, d), n, heads, eps, span
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)
@@ -138,8 +149,8 @@ class BlockRouting:
         launch(kern._block_fwd_kernel, (self.programs,),
             new, self.rows, self.r, self.w_SD, out_PD, self.lse,
             site, self.block_rows_before(site), self.span, add_prev, self.p, d, self.heads, self.k, self.eps,
-            BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl, num_warps=self.num_warps,
-            key=(self._key, new.dtype, aligned(new)),
+            BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.unroll,
+            num_warps=self.num_warps, key=(self._key, new.dtype, aligned(new)),
         )
         self.next_site += 1
         return out_PD.view(self.shape)
@@ -170,7 +181,7 @@ class BlockRouting:
             int(not start and site < n - 1), int(site > 0 and not self.is_block_start(site - 1)),
             site % A_SLOTS, p, d, self.heads, self.k,
             FIRST=site == n - 1, BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
-            num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
+            UNROLL=self.unroll, num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
         )
         if site % A_SLOTS == 0:  # sites [site, site + A_SLOTS) are complete
             last = min(site + A_SLOTS, n)

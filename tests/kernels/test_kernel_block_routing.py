@@ -139,10 +139,12 @@ def test_tiling_and_repeats_change_nothing():
     base = _output_and_grads("triton", *problem, 3, 4, torch.float32)
     again = _output_and_grads("triton", *problem, 3, 4, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(base, again))
-    for tile, warps in ((16, 1), (64, 2)):  # 1 and 4 tokens per program (the default is 256 / 16 = 16)
-        got = _output_and_grads("triton", *problem, 3, 4, torch.float32, tile_elements=tile, num_warps=warps)
+    for tile, warps, unroll in ((16, 1, 1), (64, 2, 2), (4096, 4, 2)):  # 1, 4 and all 15 tokens per program
+        got = _output_and_grads("triton", *problem, 3, 4, torch.float32, tile_elements=tile, num_warps=warps,
+                                unroll=unroll)
         for name, a, b in zip(NAMES, got, base):
-            assert rel(a, b) <= 1e-6, f"tile {tile} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
+            assert rel(a, b) <= 1e-6, (
+                f"tile {tile} unroll {unroll} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})")
 
 
 def test_second_backward_of_a_retained_graph_and_state_release():
@@ -175,6 +177,8 @@ def test_order_and_input_errors_are_named():
         BlockRouting(x, q, q, 2, span=8)  # 4 layer sites
     with pytest.raises(ValueError, match="divisible"):
         BlockRouting(x, q, q, 3, span=2)
+    with pytest.raises(ValueError, match="unroll must be one of"):
+        BlockRouting(x, q, q, 2, span=2, unroll=3)
     routing = BlockRouting(x, q, q, 2, span=2)
     with pytest.raises(ValueError, match="site 0 must receive"):
         routing.route(0, x)
