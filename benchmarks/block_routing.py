@@ -8,8 +8,8 @@ replaced as in benchmarks/routing.py by precomputed outputs tied to the site out
 sums, block boundaries and autograd order are the model's. Variants:
   torch           BlockAttnRes(backend="torch"): stacked sources, the eager PyTorch reference
   triton_percall  BlockAttnRes(backend="triton", triton_shared_buffer=False): per-call kernel on a stack
-  triton          BlockAttnRes(backend="triton"): BlockRouting, one shared row buffer (--configs: warps x tile
-                  elements of its kernels; the first is the default)
+  triton          BlockAttnRes(backend="triton"): BlockRouting, one shared row buffer (--configs: its kernels'
+                  warps x tile elements x unroll x backward version)
 Every variant and config is first checked on the GPU against the fp32 reference (fp32 and bf16 storage, fewer
 tokens). Times: CUDA events after warm-up, medians; --graph also replays each triton config from a CUDA graph
 (kernel time without host launch cost). Bytes: the traffic the shared-buffer kernels need (module docstring
@@ -41,7 +41,7 @@ BLOCK_LAYERS = {"100M": 2, "350M": 3, "1B": 6, "tiny": 1}  # as benchmarks/train
 def make_strategy(shape_name, variant, dtype, config=None):
     d, L, H, _, _ = SHAPES[shape_name]
     backend = "torch" if variant == "torch" else "triton"
-    knobs = dict(num_warps=config[0], tile_elements=config[1]) if config else {}
+    knobs = dict(num_warps=config[0], tile_elements=config[1], unroll=config[2], backward=config[3]) if config else {}
     strat = BlockAttnRes(heads=H, layers_per_block=BLOCK_LAYERS[shape_name], backend=backend,
                          triton_shared_buffer=variant != "triton_percall", triton_options=knobs)
     strat.bind(ModelConfig(hidden_size=d, num_layers=L, num_heads=H, num_kv_heads=H, vocab_size=16))
@@ -126,28 +126,35 @@ def time_graphed(strat, prob, warmup, reps):
 
 
 def traffic_bytes(shape_name, itemsize):
-    """Bytes the shared-buffer kernels move per forward + backward. Per (site, block row) pair: the row read
-    in both passes and the fp32 gradient accumulator read + written in the backward. Per site: forward y, the
-    previous row, the own row written, out; backward own row, dout, out, dsrc (storage dtype) and the fp32
-    chain read + written."""
+    """Bytes the shared-buffer kernels move per forward + backward with backward="accumulate". Per (site,
+    block row) pair: the row read in both passes and the fp32 gradient accumulator read + written in the
+    backward. Per site: forward y, the previous row, the own row written, out; backward own row, dout, out,
+    dsrc (storage dtype) and the fp32 chain read + written. ("block_pass" replaces the per-pair fp32 read +
+    write by a dout read plus one fp32 read + write per block and row, and writes each dout once more.)"""
     d, L, _, B, T = SHAPES[shape_name]
     n, span, row = 2 * L + 1, 2 * BLOCK_LAYERS[shape_name], B * T * d
     pairs = sum(-(-s // span) for s in range(n))
     return (pairs * (2 * itemsize + 8) + n * (8 * itemsize + 8)) * row
 
 
+def parse_config(text):
+    warps, tile, unroll, backward = text.split("x")
+    return int(warps), int(tile), int(unroll), {"a": "accumulate", "b": "block_pass"}[backward]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"], choices=list(SHAPES))
     parser.add_argument("--variants", nargs="+", default=["torch", "triton_percall", "triton"])
-    parser.add_argument("--configs", nargs="+", default=["4x4096", "8x4096", "8x8192", "4x2048"],
-                        help="triton warps x tile elements (BlockRouting num_warps, tile_elements)")
+    parser.add_argument("--configs", nargs="+", default=["4x2048x1xa", "4x2048x1xb"],
+                        help="triton warps x tile elements x unroll x backward (a: accumulate, b: block_pass): "
+                             "BlockRouting's num_warps, tile_elements, unroll, backward")
     parser.add_argument("--graph", action="store_true")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs]
+    configs = [parse_config(c) for c in args.configs]
     bandwidth = copy_bandwidth()
     results, rows = [], []
     for shape_name in args.shapes:
@@ -155,7 +162,7 @@ def main():
         floor = traffic_bytes(shape_name, 2) / bandwidth * 1e3
         for variant in args.variants:
             for config in (configs if variant == "triton" else [None]):
-                label = variant + (f" {config[0]}w/{config[1]}" if config else "")
+                label = variant + (f" {config[0]}w/{config[1]}/u{config[2]}/{config[3][0]}" if config else "")
                 checked = check(shape_name, variant, config)
                 ok = checked["fp32"]["ok"] and checked["bf16"]["ok"]
                 entry = dict(shape=shape_name, variant=variant, config=config, check=checked)

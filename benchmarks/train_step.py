@@ -1,6 +1,7 @@
 """Time full training steps (forward + backward + fused AdamW) of each method at the paper's sizes.
 
-    python benchmarks/train_step.py [--sizes 100M 350M 1B] [--methods baseline mhar block block_percall hf]
+    python benchmarks/train_step.py [--sizes 100M 350M 1B] [--methods baseline mhar block block_pass
+                                    block_accumulate block_percall hf]
                                     [--rounds 4] [--steps 3]
 
 Per (size, method): bf16 parameters and compute (the paper's bf16-true), the paper's per-GPU microbatch
@@ -52,6 +53,11 @@ def build(size: str, method: str, backend: str):
         "mhar": lambda: FullAttnRes(heads=8, backend=backend),
         "single": lambda: FullAttnRes(heads=1, backend=backend),
         "block": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend),
+        # BlockRouting's two backward versions explicitly (whatever the default is)
+        "block_accumulate": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend,
+                                                 triton_options={"backward": "accumulate"}),
+        "block_pass": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend,
+                                           triton_options={"backward": "block_pass"}),
         # the per-call kernel over a stack per site (the block path before the shared row buffer)
         "block_percall": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend,
                                               triton_shared_buffer=False),
@@ -198,12 +204,12 @@ def main() -> None:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as fh:
         json.dump(report, fh, indent=2)
-    print(f"\n{'size':<6} {'method':<9} {'ms/step':>8} {'tok/s':>9} {'vs base':>8} {'mem GB':>7} {'mem x':>6}")
+    print(f"\n{'size':<6} {'method':<16} {'ms/step':>8} {'tok/s':>9} {'vs base':>8} {'mem GB':>7} {'mem x':>6}")
     for r in results:
         if "error" in r:
-            print(f"{r['size']:<6} {r['method']:<9} ERROR {r['error'][:80]}")
+            print(f"{r['size']:<6} {r['method']:<16} ERROR {r['error'][:80]}")
             continue
-        print(f"{r['size']:<6} {r['method']:<9} {r['ms_per_step']:>8.1f} {r['tokens_per_s']:>9.0f} "
+        print(f"{r['size']:<6} {r['method']:<16} {r['ms_per_step']:>8.1f} {r['tokens_per_s']:>9.0f} "
               f"{r.get('throughput_vs_baseline', float('nan')):>8.3f} {r['peak_mem_gb']:>7.1f} "
               f"{r.get('memory_vs_baseline', float('nan')):>6.3f}")
 

@@ -158,3 +158,130 @@ def _block_bwd_kernel(
     tl.store(chain_ptr + tile, dv, mask=mask & (write_chain != 0))
     tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
     tl.store(a_ptr + (a_slot * tl.num_programs(0) + tl.program_id(0)) * D + col_HK, a, mask=mask_hk)
+
+
+# ---- backward with one pass per block (BlockRouting(backward="block_pass")). The site kernel keeps, for each
+# site of the current block, its dout and every block pair's alpha and dl (per-block buffers: span + 1 rows of
+# dout, a pair table [span + 1, blocks, 2, P, H] fp32) and sums each pair's coupling into C[j] [P]. When the
+# backward reaches the block's first site, one pass reads, per block row j <= k, the row's inputs and the
+# block's douts once and adds the block's value and key path into G[j] with one fp32 read + write per block
+# instead of per site; row k itself (the block's own row) is finished there. The buffers are then reused by the
+# block before. Per (site, block row) pair that is one dout read plus 1/span of an fp32 read + write.
+
+@triton.jit
+def _pair_table_offsets(slot, j, NB, P, H, th):
+    base = ((tl.full([], 0, tl.int64) + slot) * NB + j) * 2 * P * H
+    return base + th, base + P * H + th
+
+
+@triton.jit
+def _pair_softmax_grad(v, r, dout, w_HK, lse, S, store_ty: tl.constexpr, ACC: tl.constexpr):
+    """alpha, dl, the coupling c = sum_h dl * logit [BLOCK_T] and the A tile of one (site, row) pair."""
+    kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
+    logit = tl.sum(kr * w_HK[None, :, :], axis=2)
+    alpha = tl.exp(logit - lse)
+    dl = alpha * (tl.sum(dout * v, axis=2) - S)
+    return alpha, dl, tl.sum(dl * logit, axis=1), tl.sum(dl[:, :, None] * kr, axis=0)
+
+
+@triton.jit
+def _keep_pair(pair_ptr, c_ptr, alpha, dl, c, slot, j, NB, P, H, th, mask_th, offs_t, mask_t, INIT: tl.constexpr):
+    alpha_off, dl_off = _pair_table_offsets(slot, j, NB, P, H, th)
+    tl.store(pair_ptr + alpha_off, alpha, mask=mask_th)
+    tl.store(pair_ptr + dl_off, dl, mask=mask_th)
+    if not INIT:
+        c += tl.load(c_ptr + j * P + offs_t, mask=mask_t, other=0.0)
+    tl.store(c_ptr + j * P + offs_t, c, mask=mask_t)
+
+
+@triton.jit(do_not_specialize=["site", "slot", "n_blk", "span", "own_block", "has_chain", "write_chain", "a_slot"])
+def _block_site_bwd_kernel(
+    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, dout_buf_ptr, pair_ptr, c_ptr, chain_ptr, dsrc_ptr, a_ptr,
+    site, slot, n_blk, span, own_block, has_chain, write_chain, a_slot, NB, P, D, H, K,
+    FIRST: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+):
+    """Site `site` (slot `slot` of its block): dout into dout_buf[slot]; alpha, dl of every block pair (and of
+    its own row if that is block row own_block) into the pair table, couplings into C; this program's A
+    partial. An own row that is not a block row (the partial sum) is finished here, as in _block_bwd_kernel."""
+    offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
+    row_stride = (tl.full([], 0, tl.int64) + P) * D
+    store_ty = rows_ptr.dtype.element_ty
+
+    dout_raw = tl.load(dout_ptr + tile, mask=mask, other=0.0)
+    tl.store(dout_buf_ptr + slot * row_stride + tile, dout_raw.to(dout_buf_ptr.dtype.element_ty), mask=mask)
+    dout = dout_raw.to(ACC)
+    S = tl.sum(dout * tl.load(out_ptr + tile, mask=mask, other=0.0).to(ACC), axis=2)
+    w_HK = tl.load(w_ptr + site * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
+    lse = tl.load(lse_ptr + site * P * H + th, mask=mask_th, other=0.0)
+    a = tl.zeros([H_P, K_P], ACC)
+    for j in range(0, n_blk):
+        row = j * span
+        v = tl.load(rows_ptr + row * row_stride + tile, mask=mask, other=0.0).to(ACC)
+        r = tl.load(r_ptr + row * P + offs_t, mask=mask_t, other=0.0)
+        alpha, dl, c, a_HK = _pair_softmax_grad(v, r, dout, w_HK, lse, S, store_ty, ACC)
+        a += a_HK
+        _keep_pair(pair_ptr, c_ptr, alpha, dl, c, slot, j, NB, P, H, th, mask_th, offs_t, mask_t, FIRST)
+
+    v = tl.load(rows_ptr + site * row_stride + tile, mask=mask, other=0.0).to(ACC)
+    r = tl.load(r_ptr + site * P + offs_t, mask=mask_t, other=0.0)
+    alpha, dl, c, a_HK = _pair_softmax_grad(v, r, dout, w_HK, lse, S, store_ty, ACC)
+    a += a_HK
+    if own_block >= 0:  # a block row: the block pass (_block_pass_bwd_kernel) finishes it
+        _keep_pair(pair_ptr, c_ptr, alpha, dl, c, slot, own_block, NB, P, H, th, mask_th, offs_t, mask_t, False)
+    else:
+        dv = alpha[:, :, None] * dout + (dl * r[:, None])[:, :, None] * w_HK[None, :, :]
+        dv -= (r * r * c / D)[:, None, None] * v
+        dv += tl.load(chain_ptr + tile, mask=mask & (has_chain != 0), other=0.0)
+        tl.store(chain_ptr + tile, dv, mask=mask & (write_chain != 0))
+        tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
+    tl.store(a_ptr + (a_slot * tl.num_programs(0) + tl.program_id(0)) * D + col_HK, a, mask=mask_hk)
+
+
+@triton.jit
+def _block_paths(dout_buf_ptr, pair_ptr, w_ptr, j, s_lo, n_slots, NB, P, D, H, tile, mask, th, mask_th, col_HK,
+                 mask_hk, row_stride, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr,
+                 ACC: tl.constexpr):
+    """sum over the block's sites of alpha * dout (value path) and dl * w (key path, before r) for row j."""
+    value = tl.zeros([BLOCK_T, H_P, K_P], ACC)
+    key = tl.zeros([BLOCK_T, H_P, K_P], ACC)
+    for slot in range(0, n_slots):
+        alpha_off, dl_off = _pair_table_offsets(slot, j, NB, P, H, th)
+        dout = tl.load(dout_buf_ptr + slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
+        alpha = tl.load(pair_ptr + alpha_off, mask=mask_th, other=0.0)
+        dl = tl.load(pair_ptr + dl_off, mask=mask_th, other=0.0)
+        w_HK = tl.load(w_ptr + (s_lo + slot) * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
+        value += alpha[:, :, None] * dout
+        key += dl[:, :, None] * w_HK[None, :, :]
+    return value, key
+
+
+@triton.jit(do_not_specialize=["block", "s_lo", "n_slots", "span", "write_chain"])
+def _block_pass_bwd_kernel(
+    rows_ptr, r_ptr, w_ptr, dout_buf_ptr, pair_ptr, c_ptr, g_ptr, chain_ptr, dsrc_ptr,
+    block, s_lo, n_slots, span, write_chain, NB, P, D, H, K,
+    LAST: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+):
+    """Block `block` (sites s_lo .. s_lo + n_slots - 1) is done: add its paths into G[j] for the block rows
+    j < block (LAST: the last block initialises G), then finish block row `block` (buffer row s_lo): its G plus
+    this block's paths, minus the coupling r^2 / D * C * v, into dsrc (and chain)."""
+    offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
+    row_stride = (tl.full([], 0, tl.int64) + P) * D
+    for j in range(0, block):
+        r = tl.load(r_ptr + j * span * P + offs_t, mask=mask_t, other=0.0)
+        value, key = _block_paths(dout_buf_ptr, pair_ptr, w_ptr, j, s_lo, n_slots, NB, P, D, H, tile, mask, th,
+                                  mask_th, col_HK, mask_hk, row_stride, BLOCK_T, H_P, K_P, ACC)
+        g = value + r[:, None, None] * key
+        if not LAST:
+            g += tl.load(g_ptr + j * row_stride + tile, mask=mask, other=0.0)
+        tl.store(g_ptr + j * row_stride + tile, g, mask=mask)
+    v = tl.load(rows_ptr + s_lo * row_stride + tile, mask=mask, other=0.0).to(ACC)
+    r = tl.load(r_ptr + s_lo * P + offs_t, mask=mask_t, other=0.0)
+    value, key = _block_paths(dout_buf_ptr, pair_ptr, w_ptr, block, s_lo, n_slots, NB, P, D, H, tile, mask, th,
+                              mask_th, col_HK, mask_hk, row_stride, BLOCK_T, H_P, K_P, ACC)
+    dv = value + r[:, None, None] * key
+    if not LAST:
+        dv += tl.load(g_ptr + block * row_stride + tile, mask=mask, other=0.0)
+    c = tl.load(c_ptr + block * P + offs_t, mask=mask_t, other=0.0)
+    dv -= (r * r * c / D)[:, None, None] * v
+    tl.store(chain_ptr + tile, dv, mask=mask & (write_chain != 0))
+    tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)

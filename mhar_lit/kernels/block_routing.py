@@ -37,6 +37,11 @@ A_SLOTS = 8  # sites whose dq/dg partials are kept before one host reduction (me
 DEFAULT_WARPS = 4
 DEFAULT_TILE = 2048
 UNROLL_CHOICES = (1, 2)  # block rows whose loads a step of the kernels' loops issues together
+# The backward's block-row gradients: "accumulate" adds every (site, block row) pair into G (fp32 read + write
+# per pair, _block_bwd_kernel); "block_pass" keeps a block's douts and pair softmax gradients and adds them into
+# G once per block (_block_site_bwd_kernel + _block_pass_bwd_kernel). Same values to fp32 summation order.
+BACKWARDS = ("accumulate", "block_pass")
+DEFAULT_BACKWARD = "accumulate"
 
 
 def aligned(x: Tensor) -> bool:
@@ -49,7 +54,7 @@ class BlockRouting:
 
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int, span: int,
                  eps: float = 1e-6, num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE,
-                 unroll: int = 1) -> None:
+                 unroll: int = 1, backward: str = DEFAULT_BACKWARD) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -62,13 +67,15 @@ class BlockRouting:
         if span < 2 or span % 2 or (n - 1) % span:
             raise ValueError(f"sites per block ({span}) must be an even number that divides the {n - 1} "
                              "layer sites")
+        if backward not in BACKWARDS:
+            raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
         if unroll not in UNROLL_CHOICES:
             raise ValueError(f"unroll must be one of {UNROLL_CHOICES}, got {unroll}")
         if num_warps < 1 or tile_elements < 1:
             raise ValueError(f"num_warps ({num_warps}) and tile_elements ({tile_elements}) must be positive")
         check_storage_dtype(embedding_BTD.dtype)
         check_device(embedding_BTD, query_SD, norm_weight_SD)
-        self.unroll = unroll
+        self.unroll, self.backward = unroll, backward
         self.shape, self.n_sites, self.heads, self.eps, self.span = (b, t, d), n, heads, eps, span
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)
@@ -173,16 +180,11 @@ class BlockRouting:
             self._bwd = self._backward_buffers()
         bw, p, d = self._bwd, self.p, self.shape[2]
         dout = dout_BTD.to(self.dtype).contiguous()
-        start = self.is_block_start(site)
         dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
-        launch(kern._block_bwd_kernel, (self.programs,),
-            self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["G"], bw["chain"], dsrc_PD, bw["a"],
-            site, self.block_rows_before(site), self.span, site // self.span if start else -1,
-            int(not start and site < n - 1), int(site > 0 and not self.is_block_start(site - 1)),
-            site % A_SLOTS, p, d, self.heads, self.k,
-            FIRST=site == n - 1, BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
-            UNROLL=self.unroll, num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
-        )
+        if self.backward == "block_pass":
+            self._block_pass_site(site, out_BTD, dout, dsrc_PD)
+        else:
+            self._accumulate_site(site, out_BTD, dout, dsrc_PD)
         if site % A_SLOTS == 0:  # sites [site, site + A_SLOTS) are complete
             last = min(site + A_SLOTS, n)
             torch.sum(bw["a"][: last - site], dim=1, out=bw["A"][site:last])
@@ -196,11 +198,52 @@ class BlockRouting:
         self.release()  # a retained graph's rerun restores the state from the final site's saved tensors
         return dsrc_PD.view(self.shape), dq, dg
 
+    def _accumulate_site(self, site: int, out_BTD: Tensor, dout: Tensor, dsrc_PD: Tensor) -> None:
+        bw, n, start = self._bwd, self.n_sites, self.is_block_start(site)
+        launch(kern._block_bwd_kernel, (self.programs,),
+            self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["G"], bw["chain"], dsrc_PD, bw["a"],
+            site, self.block_rows_before(site), self.span, site // self.span if start else -1,
+            int(not start and site < n - 1), int(site > 0 and not self.is_block_start(site - 1)),
+            site % A_SLOTS, self.p, self.shape[2], self.heads, self.k,
+            FIRST=site == n - 1, BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
+            UNROLL=self.unroll, num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
+        )
+
+    def _block_pass_site(self, site: int, out_BTD: Tensor, dout: Tensor, dsrc_PD: Tensor) -> None:
+        bw, n, start = self._bwd, self.n_sites, self.is_block_start(site)
+        blocks = self.block_rows_before(n - 1)
+        block = min(site, n - 2) // self.span
+        s0 = block * self.span
+        dims = (self.p, self.shape[2], self.heads, self.k)
+        launch(kern._block_site_bwd_kernel, (self.programs,),
+            self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["dout"], bw["pairs"], bw["C"], bw["chain"],
+            dsrc_PD, bw["a"], site, site - s0, self.block_rows_before(site), self.span, block if start else -1,
+            int(not start and site < n - 1), int(site > 0 and not self.is_block_start(site - 1)),
+            site % A_SLOTS, blocks, *dims,
+            FIRST=site == n - 1, BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
+            num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
+        )
+        if not start:
+            return
+        slots = (n - s0) if block == blocks - 1 else self.span
+        launch(kern._block_pass_bwd_kernel, (self.programs,),
+            self.rows, self.r, self.w_SD, bw["dout"], bw["pairs"], bw["C"], bw["G"], bw["chain"], dsrc_PD,
+            block, s0, slots, self.span, int(s0 > 0), blocks, *dims,
+            LAST=block == blocks - 1, BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
+            num_warps=self.num_warps, key=self._key,
+        )
+
     def _backward_buffers(self) -> dict:
         n, p, d = self.n_sites, self.p, self.shape[2]
         blocks = self.block_rows_before(n - 1)
         acc = dict(dtype=self.acc_t, device=self.device)
+        per_block = {}
+        if self.backward == "block_pass":  # one block's douts and pair softmax gradients (the last has span + 1 sites)
+            per_block = {"dout": torch.empty(self.span + 1, p, d, dtype=self.dtype, device=self.device),
+                         "pairs": torch.empty(self.span + 1, blocks, 2, p, self.heads, **acc),
+                         "C": torch.empty(blocks, p, **acc)}
         return {
+            **per_block,
             "G": torch.empty(blocks, p, d, **acc),  # block rows' gradients, summed over the sites reading them
             "chain": torch.empty(p, d, **acc),  # the gradient of R_{s+1}, for the R_s it contains
             "a": torch.empty(min(A_SLOTS, n), self.programs, d, **acc),

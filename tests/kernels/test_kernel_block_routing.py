@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from kernel_helpers import fresh_generator, leaf, rel  # noqa: E402
 
 from mhar_lit.kernels import launch as fast_launch  # noqa: E402
-from mhar_lit.kernels.block_routing import A_SLOTS, BlockRouting  # noqa: E402
+from mhar_lit.kernels.block_routing import A_SLOTS, BACKWARDS, BlockRouting  # noqa: E402
 from mhar_lit.routing import route  # noqa: E402
 
 NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
@@ -84,6 +84,7 @@ def _output_and_grads(kind, emb, q, g, mats, dout, heads, span, dtype, **knobs):
     return (outputs[0], *torch.autograd.grad(loss, (e, qq, gg)))
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("layers,span,heads,d", [
     (2, 2, 2, 8),     # one layer per block
     (3, 2, 3, 12),    # H not a power of two
@@ -92,41 +93,43 @@ def _output_and_grads(kind, emb, q, g, mats, dout, heads, span, dtype, **knobs):
     (6, 4, 2, 16),    # 13 sites: the dq/dg partials are reduced in two rounds of A_SLOTS
 ])
 
-def test_fp32_matches_float64_reference(layers, span, heads, d):
+def test_fp32_matches_float64_reference(layers, span, heads, d, backward):
     assert 2 * 6 + 1 > A_SLOTS  # the last case spans more than one reduction round
     gen = fresh_generator()
     problem = _problem(layers, d, gen)
     exact = _output_and_grads("torch", *problem, heads, span, torch.float64)
     ref32 = _output_and_grads("torch", *problem, heads, span, torch.float32)
-    got = _output_and_grads("triton", *problem, heads, span, torch.float32)
+    got = _output_and_grads("triton", *problem, heads, span, torch.float32, backward=backward)
     for name, a, x, r in zip(NAMES, got, exact, ref32):
         assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), (
             f"{name}: {rel(a, x):.2e}, fp32 reference {rel(r, x):.2e} (seed {gen.initial_seed()})")
 
 
-def test_float64_equals_reference_and_gradcheck():
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_float64_equals_reference_and_gradcheck(backward):
     gen = fresh_generator()
     problem = _problem(3, 6, gen, b=1, t=2)
     exact = _output_and_grads("torch", *problem, 2, 2, torch.float64)
-    got = _output_and_grads("triton", *problem, 2, 2, torch.float64)
+    got = _output_and_grads("triton", *problem, 2, 2, torch.float64, backward=backward)
     for name, a, x in zip(NAMES, got, exact):
         assert rel(a, x) <= 1e-12, f"{name}: {rel(a, x):.1e} (seed {gen.initial_seed()})"
     emb, q, g, mats, dout = problem
 
     def fn(e, qq, gg):
-        routing = BlockRouting(e, qq, gg, 2, span=2)
+        routing = BlockRouting(e, qq, gg, 2, span=2, backward=backward)
         site_fn = lambda s, new: routing.route(s, new, *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
         return _block_stack_loss(site_fn, e, mats, dout)
 
     assert torch.autograd.gradcheck(fn, tuple(leaf(emb, q, g)), eps=1e-6, atol=1e-6, rtol=1e-5)
 
 
-def test_bf16_within_reference_rounding_error():
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_bf16_within_reference_rounding_error(backward):
     gen = fresh_generator()
     problem = _problem(4, 32, gen, b=2, t=4)
     exact = _output_and_grads("torch", *problem, 4, 4, torch.float64)
     ref = _output_and_grads("torch", *problem, 4, 4, torch.bfloat16)
-    got = _output_and_grads("triton", *problem, 4, 4, torch.bfloat16)
+    got = _output_and_grads("triton", *problem, 4, 4, torch.bfloat16, backward=backward)
     for name, a, r, x in zip(NAMES, got, ref, exact):
         assert rel(a, x) <= 2 * rel(r, x) + 1e-3, f"{name}: {rel(a, x):.2e} vs {rel(r, x):.2e}"
 
@@ -139,9 +142,11 @@ def test_tiling_and_repeats_change_nothing():
     base = _output_and_grads("triton", *problem, 3, 4, torch.float32)
     again = _output_and_grads("triton", *problem, 3, 4, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(base, again))
-    for tile, warps, unroll in ((16, 1, 1), (64, 2, 2), (4096, 4, 2)):  # 1, 4 and all 15 tokens per program
+    for tile, warps, unroll, backward in ((16, 1, 1, "accumulate"), (64, 2, 2, "block_pass"),
+                                          (4096, 4, 2, "accumulate"), (4096, 4, 1, "block_pass")):
+        # 1, 4 and all 15 tokens per program; both backward versions (equal to fp32 summation order)
         got = _output_and_grads("triton", *problem, 3, 4, torch.float32, tile_elements=tile, num_warps=warps,
-                                unroll=unroll)
+                                unroll=unroll, backward=backward)
         for name, a, b in zip(NAMES, got, base):
             assert rel(a, b) <= 1e-6, (
                 f"tile {tile} unroll {unroll} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})")
@@ -179,6 +184,8 @@ def test_order_and_input_errors_are_named():
         BlockRouting(x, q, q, 3, span=2)
     with pytest.raises(ValueError, match="unroll must be one of"):
         BlockRouting(x, q, q, 2, span=2, unroll=3)
+    with pytest.raises(ValueError, match="backward must be one of"):
+        BlockRouting(x, q, q, 2, span=2, backward="atomic")
     routing = BlockRouting(x, q, q, 2, span=2)
     with pytest.raises(ValueError, match="site 0 must receive"):
         routing.route(0, x)
