@@ -42,6 +42,7 @@ def make_strategy(shape_name, variant, dtype, config=None):
     d, L, H, _, _ = SHAPES[shape_name]
     backend = "torch" if variant == "torch" else "triton"
     knobs = dict(num_warps=config[0], tile_elements=config[1], unroll=config[2], backward=config[3]) if config else {}
+    # config None: BlockRouting's defaults
     strat = BlockAttnRes(heads=H, layers_per_block=BLOCK_LAYERS[shape_name], backend=backend,
                          triton_shared_buffer=variant != "triton_percall", triton_options=knobs)
     strat.bind(ModelConfig(hidden_size=d, num_layers=L, num_heads=H, num_kv_heads=H, vocab_size=16))
@@ -138,6 +139,8 @@ def traffic_bytes(shape_name, itemsize):
 
 
 def parse_config(text):
+    if text == "default":
+        return None
     warps, tile, unroll, backward = text.split("x")
     return int(warps), int(tile), int(unroll), {"a": "accumulate", "b": "block_pass"}[backward]
 
@@ -146,9 +149,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"], choices=list(SHAPES))
     parser.add_argument("--variants", nargs="+", default=["torch", "triton_percall", "triton"])
-    parser.add_argument("--configs", nargs="+", default=["4x2048x1xa", "4x2048x1xb"],
+    parser.add_argument("--configs", nargs="+", default=["default"],
                         help="triton warps x tile elements x unroll x backward (a: accumulate, b: block_pass): "
-                             "BlockRouting's num_warps, tile_elements, unroll, backward")
+                             "BlockRouting's num_warps (0: automatic), tile_elements, unroll, backward; "
+                             "'default': its defaults")
     parser.add_argument("--graph", action="store_true")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
@@ -162,7 +166,8 @@ def main():
         floor = traffic_bytes(shape_name, 2) / bandwidth * 1e3
         for variant in args.variants:
             for config in (configs if variant == "triton" else [None]):
-                label = variant + (f" {config[0]}w/{config[1]}/u{config[2]}/{config[3][0]}" if config else "")
+                label = variant + (f" {config[0]}w/{config[1]}/u{config[2]}/{config[3][0]}" if config else
+                                   (" defaults" if variant == "triton" else ""))
                 checked = check(shape_name, variant, config)
                 ok = checked["fp32"]["ok"] and checked["bf16"]["ok"]
                 entry = dict(shape=shape_name, variant=variant, config=config, check=checked)

@@ -2,14 +2,17 @@
 
 One `BlockRouting` object lives for one forward pass. Site s (0..n-1, n = 2L+1, called in order) brings
 y_{s-1} (site 0: the embedding); the kernel forms the block's running partial sum R_s in the buffer itself
-(see _block_kernels), so a site costs one launch and one autograd node: no stack of the sources per site, no
+(see _block_kernels), so a site's forward is one launch and one autograd node: no stack of the sources per site, no
 separate partial-sum add, no copies of the block sums. Each site reads the completed block rows and its own
 row once; the statistic of a block row is taken once, when the row is written.
 
-Backward: one launch per site, strict reverse order (autograd's, since every site's output feeds the next
-site's row). Block rows accumulate their gradient over the sites that read them in an fp32 buffer G; every
-other row's gradient is finished by its own site. dq, dg are per-program partials, reduced on the host in a
-fixed order every A_SLOTS sites: deterministic, no atomics.
+Backward: strict reverse order (autograd's, since every site's output feeds the next site's row). A row that
+is not a block row (a partial sum) is read by its own site only and is finished there. A block row is read by
+every later site; its gradient is summed in an fp32 buffer G, either per (site, row) pair ("accumulate": one
+launch per site) or, by default, once per block ("block_pass": each site keeps its dout and pair softmax
+gradients in per-block buffers, and at the block's first site one more launch adds the whole block into G
+and finishes the block's own row). dq, dg are per-program partials, reduced on the host in a fixed order
+every A_SLOTS sites: deterministic, no atomics.
 
 Order contract as in FullRouting: activation checkpointing that recomputes routing, or a backward that does
 not start at the final site, raises. A retained graph may be differentiated again. (An intermediate site
@@ -31,17 +34,19 @@ from mhar_lit.kernels.launch import launch
 from mhar_lit.kernels.routing_triton import accumulator, check_device, check_storage_dtype, pow2, tile_tokens
 
 A_SLOTS = 8  # sites whose dq/dg partials are kept before one host reduction (memory: A_SLOTS x programs x D)
-# Tile and warps from the H200 measurement of 2026-12-03 (session 7, call 1; benchmarks/results/block_routing.md):
-# of 4 / 8 warps x 2048 / 4096 / 8192 tile elements, 4 warps x 2048 was fastest at every shape (CUDA graph
-# 6.2 / 7.7 / 8.8 ms at 100M / 350M / 1B, against 7.7 / 13.4 / 13.8 ms for 4 x 4096).
-DEFAULT_WARPS = 4
+# Tile and warps from the H200 measurements of 2026-12-03 (session 7; benchmarks/results/block_routing.md). Call 1:
+# of 4 / 8 warps x 2048 / 4096 / 8192 tile elements, 2048 was fastest at every shape. Call 2 (backward
+# "block_pass", CUDA graph): 4 warps best at 100M / 350M (5.05 / 6.37 ms; 8 warps 5.67 / 6.59), 8 warps at 1B
+# (6.73 ms; 4 warps 7.98), where a 2048-element tile holds one token. num_warps=0 picks by that rule.
+DEFAULT_WARPS = 0
 DEFAULT_TILE = 2048
 UNROLL_CHOICES = (1, 2)  # block rows whose loads a step of the kernels' loops issues together
 # The backward's block-row gradients: "accumulate" adds every (site, block row) pair into G (fp32 read + write
 # per pair, _block_bwd_kernel); "block_pass" keeps a block's douts and pair softmax gradients and adds them into
 # G once per block (_block_site_bwd_kernel + _block_pass_bwd_kernel). Same values to fp32 summation order.
 BACKWARDS = ("accumulate", "block_pass")
-DEFAULT_BACKWARD = "accumulate"
+# call 2, CUDA graph, 4 warps x 2048: block_pass 5.05 / 6.37 / 7.98 ms against accumulate 6.23 / 7.72 / 8.80
+DEFAULT_BACKWARD = "block_pass"
 
 
 def aligned(x: Tensor) -> bool:
@@ -71,8 +76,9 @@ class BlockRouting:
             raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
         if unroll not in UNROLL_CHOICES:
             raise ValueError(f"unroll must be one of {UNROLL_CHOICES}, got {unroll}")
-        if num_warps < 1 or tile_elements < 1:
-            raise ValueError(f"num_warps ({num_warps}) and tile_elements ({tile_elements}) must be positive")
+        if num_warps < 0 or tile_elements < 1:
+            raise ValueError(f"num_warps ({num_warps}) must be >= 0 (0: automatic) and tile_elements "
+                             f"({tile_elements}) positive")
         check_storage_dtype(embedding_BTD.dtype)
         check_device(embedding_BTD, query_SD, norm_weight_SD)
         self.unroll, self.backward = unroll, backward
@@ -83,7 +89,7 @@ class BlockRouting:
         self.h_p, self.k_p = pow2(heads), pow2(self.k)
         self.block_t = tile_tokens(self.h_p * self.k_p, tile_elements)
         self.programs = triton.cdiv(self.p, self.block_t)
-        self.num_warps = num_warps
+        self.num_warps = num_warps or (8 if self.block_t == 1 else 4)
         self.param_dtypes = (query_SD.dtype, norm_weight_SD.dtype)
         self._key = (self.shape, n, heads, eps, self.dtype, span)
         with torch.no_grad():

@@ -91,6 +91,7 @@ def _output_and_grads(kind, emb, q, g, mats, dout, heads, span, dtype, **knobs):
     (4, 4, 4, 20),    # two layers per block, K = 5
     (2, 4, 1, 8),     # one block, single head: the final site routes over the embedding and the partial
     (6, 4, 2, 16),    # 13 sites: the dq/dg partials are reduced in two rounds of A_SLOTS
+    (3, 2, 2, 192),   # K = 96, where the full-mode paths miss 1e-5 on some draws (docs/LOG.md); block does not
 ])
 
 def test_fp32_matches_float64_reference(layers, span, heads, d, backward):
@@ -143,7 +144,7 @@ def test_tiling_and_repeats_change_nothing():
     again = _output_and_grads("triton", *problem, 3, 4, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(base, again))
     for tile, warps, unroll, backward in ((16, 1, 1, "accumulate"), (64, 2, 2, "block_pass"),
-                                          (4096, 4, 2, "accumulate"), (4096, 4, 1, "block_pass")):
+                                          (4096, 4, 2, "accumulate"), (4096, 0, 1, "block_pass")):
         # 1, 4 and all 15 tokens per program; both backward versions (equal to fp32 summation order)
         got = _output_and_grads("triton", *problem, 3, 4, torch.float32, tile_elements=tile, num_warps=warps,
                                 unroll=unroll, backward=backward)
@@ -184,6 +185,8 @@ def test_order_and_input_errors_are_named():
         BlockRouting(x, q, q, 3, span=2)
     with pytest.raises(ValueError, match="unroll must be one of"):
         BlockRouting(x, q, q, 2, span=2, unroll=3)
+    with pytest.raises(ValueError, match="num_warps"):
+        BlockRouting(x, q, q, 2, span=2, num_warps=-1)
     with pytest.raises(ValueError, match="backward must be one of"):
         BlockRouting(x, q, q, 2, span=2, backward="atomic")
     routing = BlockRouting(x, q, q, 2, span=2)
