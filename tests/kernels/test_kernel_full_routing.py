@@ -337,9 +337,11 @@ def test_decoder_triton_equals_torch_with_gradient_accumulation(residual_cls, kw
         assert model.residual.null.grad.abs().max() > 0
 
 
-def test_decoder_sublayer_checkpointing_works_with_triton_full_routing():
+@pytest.mark.parametrize("residual_cls,kwargs", [(FullAttnRes, {"heads": 4}),
+                                                (BlockAttnRes, {"heads": 4, "layers_per_block": 1})])
+def test_decoder_sublayer_checkpointing_works_with_triton_full_routing(residual_cls, kwargs):
     seed = int(torch.seed() % 2**31)
-    ref_model, model = _model_pair(FullAttnRes, seed, heads=4)
+    ref_model, model = _model_pair(residual_cls, seed, **kwargs)
     model.activation_checkpointing = True
     ids = torch.randint(0, 256, (1, 8))
     assert rel(_step(model, ids, ids), _step(ref_model, ids, ids)) <= 1e-10
