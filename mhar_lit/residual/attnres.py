@@ -112,13 +112,17 @@ class FullAttnRes(RoutedResidual):
     `triton_chunk` sites share one forward prefix pass, `triton_group` sources one backward suffix pass.
     That path needs every site exactly once per forward pass and the backward in reverse order; activation
     checkpointing that recomputes routing raises a RuntimeError (checkpointing sublayers is fine).
+    `triton_options` are further FullRouting keywords (e.g. overlap="high": the prefix and suffix passes on a
+    side stream, overlapping the sublayers).
     """
 
     def __init__(self, heads: int = 8, backend: str = "torch", random_query_init: bool = False,
-                 eps: float = 1e-6, triton_chunk: int = 4, triton_group: int = 8) -> None:
+                 eps: float = 1e-6, triton_chunk: int = 4, triton_group: int = 8,
+                 triton_options: Optional[dict] = None) -> None:
         super().__init__(heads=heads, backend=backend, random_query_init=random_query_init, eps=eps)
         self.triton_chunk = triton_chunk
         self.triton_group = triton_group
+        self.triton_options = dict(triton_options or {})
 
     def begin(self, embedding: Tensor) -> list[Tensor]:
         if self.backend == "triton":
@@ -149,7 +153,7 @@ class FullAttnRes(RoutedResidual):
         from mhar_lit.kernels.full_routing import FullRouting
 
         routing = FullRouting(embedding, self.query, self.key_norm, self.heads, self.eps,
-                              chunk=self.triton_chunk, group=self.triton_group)
+                              chunk=self.triton_chunk, group=self.triton_group, **self.triton_options)
         return _TritonState(routing, embedding, 1)
 
     def _triton_route(self, state: _TritonState, site: int) -> Tensor:
