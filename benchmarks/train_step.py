@@ -52,10 +52,6 @@ def build(size: str, method: str, backend: str):
         "baseline": lambda: StandardResidual(),
         "mhar": lambda: FullAttnRes(heads=8, backend=backend),
         "single": lambda: FullAttnRes(heads=1, backend=backend),
-        # FullRouting's prefix/suffix passes on a side stream (or explicitly not), whatever the default is
-        "mhar_overlap": lambda: FullAttnRes(heads=8, backend=backend, triton_options={"overlap": "high"}),
-        "mhar_overlap_normal": lambda: FullAttnRes(heads=8, backend=backend, triton_options={"overlap": "normal"}),
-        "mhar_serial": lambda: FullAttnRes(heads=8, backend=backend, triton_options={"overlap": "off"}),
         "block": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend),
         # BlockRouting's two backward versions explicitly (whatever the default is)
         "block_accumulate": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend,

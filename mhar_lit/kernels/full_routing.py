@@ -69,27 +69,6 @@ DEFAULT_SUFFIX_IMPL = "dot"
 PREFIX_ROW_BLOCK = 16  # rows per step of the "dot" prefix (a tensor-core product's smallest size)
 SUFFIX_SITE_BLOCK = 16  # later sites per step of the "dot" suffix (likewise)
 COLUMN_SITE_BLOCK = 4  # in-group sites per step of the column kernel (their loads issued together)
-# Where the forward prefix and backward suffix passes run (CUDA only). They depend only on sources and douts
-# that exist one sublayer before they are needed, so "normal"/"high" launch them on a side stream (of that
-# priority) one site early: the prefix of a chunk right after the previous site's merge, so it runs during
-# that site's sublayer forward; a group's suffix right after the next group's last column, during the
-# sublayer backward in between. "off" runs them on the current stream where they are needed. Off CUDA the
-# early schedule runs inline (so the CPU tests check its data dependencies).
-OVERLAP_CHOICES = ("off", "normal", "high")
-DEFAULT_OVERLAP = "off"
-_side_streams: dict = {}
-
-
-def side_stream(device: torch.device, priority: str):
-    """One cached side stream per device and priority (creating streams per forward pass would leak)."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), priority)
-    stream = _side_streams.get(key)
-    if stream is None:
-        # lower numbers run first; the default streams are 0 (torch maps numbers out of range to its ends)
-        stream = torch.cuda.Stream(device=key[0], priority=-1 if priority == "high" else 0)
-        _side_streams[key] = stream
-    return stream
-
 
 class FullRouting:
     """State of chunked full-mode routing for one forward pass (see module docstring)."""
@@ -100,7 +79,7 @@ class FullRouting:
                  prefix_unroll: int = DEFAULT_PREFIX_UNROLL, suffix_unroll: int = DEFAULT_SUFFIX_UNROLL,
                  suffix_tokens: int = 0, suffix_warps: int = 0, suffix_impl: str = DEFAULT_SUFFIX_IMPL,
                  column_tokens: int = 0, column_warps: int = 0, prefix_impl: str = DEFAULT_PREFIX_IMPL,
-                 prefix_tokens: int = 0, prefix_warps: int = 0, overlap: str = DEFAULT_OVERLAP) -> None:
+                 prefix_tokens: int = 0, prefix_warps: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -125,8 +104,6 @@ class FullRouting:
             if tokens < 0 or tokens & (tokens - 1) or warps < 0:
                 raise ValueError(f"{name}_tokens ({tokens}) must be 0 (automatic) or a power of two, "
                                  f"{name}_warps ({warps}) 0 (automatic) or positive")
-        if overlap not in OVERLAP_CHOICES:
-            raise ValueError(f"overlap must be one of {OVERLAP_CHOICES}, got {overlap!r}")
         check_storage_dtype(embedding_BTD.dtype)
         check_device(embedding_BTD, query_SD, norm_weight_SD)
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
@@ -164,11 +141,6 @@ class FullRouting:
         self.next_backward = n - 1
         self._chunk_state: Optional[tuple[Tensor, Tensor, Tensor]] = None
         self._bwd: Optional[dict] = None
-        self.overlap = overlap
-        use_side = overlap != "off" and self.device.type == "cuda"
-        self._side = side_stream(self.device, overlap) if use_side else None
-        self._early: Optional[tuple[str, int]] = None  # the pass launched early and not yet joined
-        self._share_with_side(self.rows, self.r, self.lse, self.z)
 
     # ---------------------------------------------------------------- public
     def route(self, site: int, source_BTD: Tensor, query_SD: Optional[Tensor] = None,
@@ -213,8 +185,7 @@ class FullRouting:
         self._append(site, source_BTD)
         s0 = site - site % self.chunk
         if site == s0 and s0 > 0:
-            if not self._join(("prefix", s0)):
-                self._prefix(s0)
+            self._prefix(s0)
         d = self.shape[2]
         out_PD = torch.empty(self.p, d, dtype=self.dtype, device=self.device)
         m, l, acc = self._chunk_state if s0 > 0 else (self.lse, self.lse, self.lse)
@@ -229,50 +200,7 @@ class FullRouting:
         self.next_site += 1
         if self.next_site == self.n_sites:
             self._chunk_state = None
-        elif self.overlap != "off" and self.next_site % self.chunk == 0:
-            # the next chunk's older rows are all written and this merge was the last reader of the chunk state
-            self._launch_early(("prefix", self.next_site), self._prefix, self.next_site)
         return out_PD.view(self.shape)
-
-    def _launch_early(self, tag: tuple[str, int], run, *args) -> None:
-        """Run a pass now, on the side stream when there is one; its consumer calls _join(tag) first.
-        Buffers are allocated before, on the current stream (none in the pass): the caching allocator then
-        never hands memory the side stream still reads to the current stream."""
-        if tag[0] == "prefix" and self._chunk_state is None:
-            self._chunk_state = self._new_chunk_state()
-            self._share_with_side(*self._chunk_state)
-        if self._side is None:
-            run(*args)
-        else:
-            current = torch.cuda.current_stream(self.device)
-            self._side.wait_stream(current)
-            with torch.cuda.stream(self._side):
-                run(*args)
-        self._early = tag
-
-    def _join(self, tag: tuple[str, int]) -> bool:
-        """Whether `tag` ran early; if so the current stream waits for it here."""
-        if self._early is None:
-            return False
-        if self._early != tag:
-            raise RuntimeError(f"full-mode triton routing: pass {self._early} was launched early but {tag} "
-                               "is needed (sites out of order)")
-        if self._side is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
-        self._early = None
-        return True
-
-    def _share_with_side(self, *tensors: Tensor) -> None:
-        """Tell the caching allocator that the side stream uses these: should this object be dropped with a
-        pass in flight (an exception in a sublayer), their memory waits for that pass before reuse."""
-        if self._side is not None:
-            for t in tensors:
-                t.record_stream(self._side)
-
-    def _new_chunk_state(self) -> tuple[Tensor, Tensor, Tensor]:
-        return (torch.empty(self.chunk, self.p, self.heads, dtype=self.acc_t, device=self.device),
-                torch.empty(self.chunk, self.p, self.heads, dtype=self.acc_t, device=self.device),
-                torch.empty(self.chunk, self.p, self.shape[2], dtype=self.acc_t, device=self.device))
 
     def _append(self, site: int, source_BTD: Tensor) -> None:
         """Write source `site` into the buffer with its statistic, then its logits against every site >= site
@@ -296,7 +224,12 @@ class FullRouting:
         """Mix rows [0, s0) into the chunk's sites once; leave (m, l, acc) per site."""
         c = min(self.chunk, self.n_sites - s0)
         if self._chunk_state is None:
-            self._chunk_state = self._new_chunk_state()
+            d = self.shape[2]
+            self._chunk_state = (
+                torch.empty(self.chunk, self.p, self.heads, dtype=self.acc_t, device=self.device),
+                torch.empty(self.chunk, self.p, self.heads, dtype=self.acc_t, device=self.device),
+                torch.empty(self.chunk, self.p, d, dtype=self.acc_t, device=self.device),
+            )
         m, l, acc = self._chunk_state
         if self.prefix_impl == "dot":
             c_p = dot_dim(self.chunk)
@@ -311,19 +244,17 @@ class FullRouting:
             )
             return
         c_p = pow2(self.chunk)
-        block_t = tile_tokens(c_p * self.k_p, self.tile)
+        block_t = self.prefix_tokens or tile_tokens(c_p * self.k_p, self.tile)
         launch(kern._prefix_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads),
             self.rows, self.z, m, l, acc,
             s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
             C_P=c_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.prefix_unroll,
-            num_warps=self.num_warps, key=self._key,
+            num_warps=self.prefix_warps or self.num_warps, key=self._key,
         )
 
     # ---------------------------------------------------------------- backward
     def backward_site(self, site: int, out_BTD: Tensor, dout_BTD: Tensor):
         if site == self.n_sites - 1:  # a (re)start: retain_graph lets autograd run the backward again
-            if self._early is not None:  # an earlier backward stopped with a pass in flight
-                self._join(self._early)
             self.next_backward, self._bwd = site, None
         if site != self.next_backward:
             raise RuntimeError(
@@ -336,17 +267,12 @@ class FullRouting:
                                "pass did not reach the final routing site")
         if self._bwd is None:
             self._bwd = self._backward_buffers()
-            self._share_with_side(*self._bwd.values())
         g0 = site - site % self.group
         g_end = min(g0 + self.group, self.n_sites)
         if site == g_end - 1 and g_end < self.n_sites:
-            if not self._join(("suffix", g0)):
-                self._suffix(g0, g_end)
+            self._suffix(g0, g_end)
         dsrc_PD = self._column(site, g0, g_end, out_BTD, dout_BTD)
         self.next_backward -= 1
-        if self.overlap != "off" and site == g0 and site > 0:
-            # every dout of the sites >= g0 is stored and their columns no longer read part_dv
-            self._launch_early(("suffix", g0 - self.group), self._suffix, g0 - self.group, g0)
         if site > 0:
             return dsrc_PD.view(self.shape), None, None
         a_SD = self._query_grad()  # every pair's dl exists now

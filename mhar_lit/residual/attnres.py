@@ -112,8 +112,7 @@ class FullAttnRes(RoutedResidual):
     `triton_chunk` sites share one forward prefix pass, `triton_group` sources one backward suffix pass.
     That path needs every site exactly once per forward pass and the backward in reverse order; activation
     checkpointing that recomputes routing raises a RuntimeError (checkpointing sublayers is fine).
-    `triton_options` are further FullRouting keywords (e.g. overlap="high": the prefix and suffix passes on a
-    side stream, overlapping the sublayers).
+    `triton_options` are further FullRouting keywords (kernel versions and tiles, e.g. suffix_impl="fma").
     """
 
     def __init__(self, heads: int = 8, backend: str = "torch", random_query_init: bool = False,
