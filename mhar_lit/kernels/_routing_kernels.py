@@ -195,16 +195,19 @@ def _prefix_mix(z, v, m, l, acc, ACC: tl.constexpr):
 def _prefix_fwd_kernel(
     rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr,
     n_rows, site_lo, n_sites, N, P, D, H, K,
-    C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr, UNROLL: tl.constexpr,
+    C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_W: tl.constexpr, ACC: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    """Prefix pass of a chunk, one head: every row in [0, n_rows) is read once and mixed into the C sites
-    [site_lo, site_lo + n_sites). The logits come from the pair table z (computed when each row entered),
-    so a first loop over z alone fixes each site's max and the row loop is one FMA per element and site,
-    with no rescaling. Writes each site's (m, l, acc) into slots 0..n_sites-1 (acc relative to m)."""
+    """Prefix pass of a chunk, one head and K_W of its columns: every row in [0, n_rows) is read once and
+    mixed into the C sites [site_lo, site_lo + n_sites). The logits come from the pair table z (computed
+    when each row entered), so a first loop over z alone fixes each site's max and the row loop is one FMA
+    per element and site, with no rescaling. Writes each site's (m, l, acc) into slots 0..n_sites-1 (acc
+    relative to m; m and l from the first column block). Column blocks (grid axis 2) let a head width that
+    is no power of two run without padding: 160 = 5 x 32 instead of one 256-wide tile."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
+    k0 = tl.program_id(2) * K_W
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_k = tl.arange(0, K_P)
+    offs_k = k0 + tl.arange(0, K_W)
     offs_c = tl.arange(0, C_P)
     mask_t = offs_t < P
     mask_k = offs_k < K
@@ -233,7 +236,7 @@ def _prefix_fwd_kernel(
             m = tl.maximum(tl.maximum(m, z2), z3)
     m = tl.where(mask_CT, m, 0.0)  # padded sites/tokens: keep exp() finite
     l = tl.zeros([C_P, BLOCK_T], ACC)
-    acc = tl.zeros([C_P, BLOCK_T, K_P], ACC)
+    acc = tl.zeros([C_P, BLOCK_T, K_W], ACC)
     for n in range(0, n_rows, UNROLL):
         z0 = _prefix_logits(z_ptr, z_CT, mask_CT, n, n_rows, site_lo, N, H, P)
         v0 = _prefix_row(rows_ptr, tile_TK, mask_TK, n, n_rows, row_stride)
@@ -253,8 +256,8 @@ def _prefix_fwd_kernel(
             l, acc = _prefix_mix(z3, v3, m, l, acc, ACC)
 
     ct = offs_c[:, None].to(tl.int64) * P + offs_t[None, :]
-    tl.store(m_ptr + ct * H + h, m, mask=mask_CT)
-    tl.store(l_ptr + ct * H + h, l, mask=mask_CT)
+    tl.store(m_ptr + ct * H + h, m, mask=mask_CT & (k0 == 0))
+    tl.store(l_ptr + ct * H + h, l, mask=mask_CT & (k0 == 0))
     acc_off = offs_c[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
     tl.store(acc_ptr + acc_off, acc, mask=mask_CT[:, :, None] & mask_k[None, None, :])
 
@@ -324,14 +327,16 @@ def _prefix_dot_fwd_kernel(
 def _merge_fwd_kernel(
     rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
     row_lo, site, state_slot, N, P, D, H, K,
-    HAS_INIT: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, C_P: tl.constexpr, ACC: tl.constexpr,
+    HAS_INIT: tl.constexpr, BLOCK_T: tl.constexpr, K_W: tl.constexpr, C_P: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Full mode, one site and head: the prefix state (HAS_INIT) merged with the in-chunk rows
-    [row_lo, site] by log-sum-exp, all logits from the pair table z. Writes out (storage) and lse [P, H]."""
+    """Full mode, one site, head and K_W of its columns (as in _prefix_fwd_kernel): the prefix state
+    (HAS_INIT) merged with the in-chunk rows [row_lo, site] by log-sum-exp, all logits from the pair table z.
+    Writes out (storage) and lse [P, H] (from the first column block)."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
+    k0 = tl.program_id(2) * K_W
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_k = tl.arange(0, K_P)
+    offs_k = k0 + tl.arange(0, K_W)
     mask_t = offs_t < P
     mask_k = offs_k < K
     col = h * K + offs_k
@@ -348,7 +353,7 @@ def _merge_fwd_kernel(
         m = m0
     else:
         m = tl.full([BLOCK_T], float("-inf"), ACC)
-    # the in-chunk rows [row_lo, site] as one [BLOCK_T, C_P, K_P] tile: their loads are issued together
+    # the in-chunk rows [row_lo, site] as one [BLOCK_T, C_P, K_W] tile: their loads are issued together
     n = row_lo + tl.arange(0, C_P)
     mask_tc = mask_t[:, None] & (n <= site)[None, :]
     z = tl.load(z_ptr + _pair_row(n, site, N)[None, :] * H * P + z_T[:, None], mask=mask_tc, other=float("-inf"))
@@ -367,7 +372,7 @@ def _merge_fwd_kernel(
     l = tl.where(mask_t, l, 1.0)  # padded tokens: keep log() and the division finite
     out = acc / l[:, None]
     tl.store(out_ptr + tile_TK, _to_storage(out, out_ptr.dtype.element_ty), mask=mask_TK)
-    tl.store(lse_ptr + (site * P + offs_t) * H + h, m + tl.log(l), mask=mask_t)
+    tl.store(lse_ptr + (site * P + offs_t) * H + h, m + tl.log(l), mask=mask_t & (k0 == 0))
 
 
 @triton.jit

@@ -56,8 +56,9 @@ UNROLL_CHOICES = (1, 2, 4)
 # sped the prefix kernels up at every shape (1B: 2.88 -> 2.64 ms) but slowed the suffix kernels down at 1B
 # (5.75 -> 10.80 ms: 255 registers with spills), so the two passes have separate knobs. The suffix's default
 # (0) picks by head width: 4 up to 64 padded columns (100M, K 64: suffix 4.71 -> 3.72 ms; routing 13.5 ->
-# 11.2 ms on 2026-12-03), 1 above (350M, K 128: 11.5 vs 16.9 ms with 4).
-DEFAULT_PREFIX_UNROLL = 4
+# 11.2 ms on 2026-12-03), 1 above (350M, K 128: 11.5 vs 16.9 ms with 4). Session 8 (column blocks, see
+# column_block): prefix unroll 2 beat 4 at 100M (0.96 vs 1.10 ms) and 1B (2.34 vs 2.84), equal at 350M.
+DEFAULT_PREFIX_UNROLL = 2
 DEFAULT_SUFFIX_UNROLL = 0
 # The prefix (forward) and suffix (backward) passes each have a CUDA-core version ("fma": _prefix_fwd_kernel,
 # _suffix_bwd_kernel) and a batched tensor-core one ("dot": _prefix_dot_fwd_kernel, _suffix_dot_bwd_kernel);
@@ -79,7 +80,7 @@ class FullRouting:
                  prefix_unroll: int = DEFAULT_PREFIX_UNROLL, suffix_unroll: int = DEFAULT_SUFFIX_UNROLL,
                  suffix_tokens: int = 0, suffix_warps: int = 0, suffix_impl: str = DEFAULT_SUFFIX_IMPL,
                  column_tokens: int = 0, column_warps: int = 0, prefix_impl: str = DEFAULT_PREFIX_IMPL,
-                 prefix_tokens: int = 0, prefix_warps: int = 0) -> None:
+                 prefix_tokens: int = 0, prefix_warps: int = 0, column_width: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -120,6 +121,7 @@ class FullRouting:
         self.h_p, self.k_p = pow2(heads), pow2(self.k)
         self.k_b = 32 if self.k >= 32 else 16  # column slice of the tensor-core products
         self.k_split = dot_split(self.k)  # the "dot" passes' head columns: two power-of-two slices
+        self.k_w = column_block(self.k, column_width)  # the forward passes' columns per program
         self.prec = "ieee" if self.acc_t == torch.float64 else "tf32x3"  # fp32-accurate tensor-core dots
         self.param_dtypes = (query_SD.dtype, norm_weight_SD.dtype)
         # Launch key (mhar_lit.kernels.launch): the runtime arguments that are fixed for this object (sizes,
@@ -190,11 +192,11 @@ class FullRouting:
         out_PD = torch.empty(self.p, d, dtype=self.dtype, device=self.device)
         m, l, acc = self._chunk_state if s0 > 0 else (self.lse, self.lse, self.lse)
         c_p = pow2(self.chunk)
-        block_t = tile_tokens(c_p * self.k_p, self.tile)  # the in-chunk rows' [tokens, C_P, K_P] tile
-        launch(kern._merge_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads),
+        block_t = tile_tokens(c_p * self.k_w, self.tile)  # the in-chunk rows' [tokens, C_P, K_W] tile
+        launch(kern._merge_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, triton.cdiv(self.k, self.k_w)),
             self.rows, self.z, m, l, acc, out_PD, self.lse,
             s0, site, site - s0, self.n_sites, self.p, d, self.heads, self.k,
-            HAS_INIT=s0 > 0, BLOCK_T=block_t, K_P=self.k_p, C_P=c_p, ACC=self.acc_tl, num_warps=self.num_warps,
+            HAS_INIT=s0 > 0, BLOCK_T=block_t, K_W=self.k_w, C_P=c_p, ACC=self.acc_tl, num_warps=self.num_warps,
             key=self._key,
         )
         self.next_site += 1
@@ -244,11 +246,11 @@ class FullRouting:
             )
             return
         c_p = pow2(self.chunk)
-        block_t = self.prefix_tokens or tile_tokens(c_p * self.k_p, self.tile)
-        launch(kern._prefix_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads),
+        block_t = self.prefix_tokens or tile_tokens(c_p * self.k_w, self.tile)
+        launch(kern._prefix_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, triton.cdiv(self.k, self.k_w)),
             self.rows, self.z, m, l, acc,
             s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
-            C_P=c_p, BLOCK_T=block_t, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.prefix_unroll,
+            C_P=c_p, BLOCK_T=block_t, K_W=self.k_w, ACC=self.acc_tl, UNROLL=self.prefix_unroll,
             num_warps=self.prefix_warps or self.num_warps, key=self._key,
         )
 
@@ -361,6 +363,23 @@ class FullRouting:
 def aligned(x: Tensor) -> bool:
     """Whether Triton sees this tensor's pointer as 16-byte aligned (it specialises on that)."""
     return x.data_ptr() % 16 == 0
+
+
+def column_block(k: int, width: int = 0) -> int:
+    """Head columns per program of the forward prefix and merge passes: `width` (a power of two dividing k)
+    or, with 0, the whole head when k is a power of two, else the largest power of two >= 16 dividing k
+    (1B's 160 = 5 x 32: no padded columns, where one power-of-two tile would pad it to 256), else the
+    padded head (one block). H200, 2026-12-03: the 1B merge pass 1.00 -> 0.58 ms, the prefix 2.61 -> 2.34 ms
+    (with unroll 2). The column kernel reduces over the head, so it cannot split it over programs; a version
+    with two power-of-two slices (128 + 32) in one program ran 5.3 ms against 2.2 ms padded (not kept)."""
+    if width:
+        if width & (width - 1) or k % width:
+            raise ValueError(f"column_width {width} must be a power of two dividing the head width {k}")
+        return width
+    if k & (k - 1) == 0:
+        return k
+    div = k & -k  # largest power of two dividing k
+    return div if div >= 16 else pow2(k)
 
 
 def dot_split(k: int) -> tuple[int, int]:

@@ -160,6 +160,22 @@ def test_unroll_and_tiling_change_nothing():
             assert rel(a, b) <= 1e-6, f"{impl} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
 
 
+def test_column_blocks_change_nothing():
+    """The forward prefix and merge passes can split a head's columns over programs (column_width; by default
+    for widths like 1B's 160 = 5 x 32). Every column's sums are the same, so the result is bitwise equal to
+    one padded block (K = 12: 16 columns) and matches float64."""
+    gen = fresh_generator()
+    problem = _problem(9, 2, 3, 24, gen)  # K = 12: prefix passes at sites 3 and 6, merges of 1-3 rows
+    whole = _output_and_grads("triton", *problem, 2, torch.float32, chunk=3, group=2)
+    exact = _output_and_grads("torch", *problem, 2, torch.float64)
+    ref32 = _output_and_grads("torch", *problem, 2, torch.float32)
+    for width in (4, 2):
+        split = _output_and_grads("triton", *problem, 2, torch.float32, chunk=3, group=2, column_width=width)
+        for name, a, b, x, r in zip(NAMES, split, whole, exact, ref32):
+            assert torch.equal(a, b), f"column_width {width}: {name} differs by {rel(a, b):.1e}"
+            assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), f"{name}: {rel(a, x):.1e} (seed {gen.initial_seed()})"
+
+
 @pytest.mark.parametrize("knobs,message", [
     (dict(prefix_unroll=3), "prefix_unroll must be one of"),
     (dict(suffix_unroll=3), "suffix_unroll must be one of"),
@@ -168,6 +184,8 @@ def test_unroll_and_tiling_change_nothing():
     (dict(suffix_impl="wmma"), "suffix_impl must be one of"),
     (dict(prefix_impl="wmma"), "prefix_impl must be one of"),
     (dict(prefix_tokens=6), "prefix_tokens"),
+    (dict(column_width=3), "column_width 3 must be a power of two dividing"),
+    (dict(column_width=4), "column_width 4 must be a power of two dividing the head width 2"),
 ])
 def test_bad_knobs_are_named(knobs, message):
     x = torch.zeros(1, 2, 4)
