@@ -80,7 +80,8 @@ class FullRouting:
                  prefix_unroll: int = DEFAULT_PREFIX_UNROLL, suffix_unroll: int = DEFAULT_SUFFIX_UNROLL,
                  suffix_tokens: int = 0, suffix_warps: int = 0, suffix_impl: str = DEFAULT_SUFFIX_IMPL,
                  column_tokens: int = 0, column_warps: int = 0, prefix_impl: str = DEFAULT_PREFIX_IMPL,
-                 prefix_tokens: int = 0, prefix_warps: int = 0, column_width: int = 0) -> None:
+                 prefix_tokens: int = 0, prefix_warps: int = 0, column_width: int = 0,
+                 keypath_tokens: int = 0, keypath_warps: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -101,7 +102,8 @@ class FullRouting:
             if impl not in PASS_IMPLS:
                 raise ValueError(f"{name} must be one of {PASS_IMPLS}, got {impl!r}")
         for name, tokens, warps in (("suffix", suffix_tokens, suffix_warps), ("column", column_tokens, column_warps),
-                                    ("prefix", prefix_tokens, prefix_warps)):
+                                    ("prefix", prefix_tokens, prefix_warps),
+                                    ("keypath", keypath_tokens, keypath_warps)):
             if tokens < 0 or tokens & (tokens - 1) or warps < 0:
                 raise ValueError(f"{name}_tokens ({tokens}) must be 0 (automatic) or a power of two, "
                                  f"{name}_warps ({warps}) 0 (automatic) or positive")
@@ -115,6 +117,8 @@ class FullRouting:
         self.suffix_tokens, self.suffix_warps, self.suffix_impl = suffix_tokens, suffix_warps, suffix_impl
         self.column_tokens, self.column_warps = column_tokens, column_warps
         self.prefix_impl, self.prefix_tokens, self.prefix_warps = prefix_impl, prefix_tokens, prefix_warps
+        # the key path's tensor-core product needs >= 16 tokens per program
+        self.keypath_tokens, self.keypath_warps = max(16, keypath_tokens or DOT_TOKENS), keypath_warps or 4
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)
         self.p, self.k = b * t, d // heads
@@ -340,10 +344,10 @@ class FullRouting:
             num_warps=self.column_warps or self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
         )
         dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
-        launch(kern._keypath_kernel, (triton.cdiv(p, DOT_TOKENS), self.heads),
+        launch(kern._keypath_kernel, (triton.cdiv(p, self.keypath_tokens), self.heads),
             self.rows, self.r, self.w_SD, bw["dl"], bw["dvp"], bw["c"], dsrc_PD, site, n, p, d, self.heads, self.k,
-            BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n - site), H_P=self.h_p, ACC=self.acc_tl,
-            PREC=self.prec, num_warps=4, key=self._key,
+            BLOCK_T=self.keypath_tokens, K_B=self.k_b, S_P=dot_dim(n - site), H_P=self.h_p, ACC=self.acc_tl,
+            PREC=self.prec, num_warps=self.keypath_warps, key=self._key,
         )
         return dsrc_PD
 
