@@ -117,8 +117,10 @@ class FullRouting:
         self.suffix_tokens, self.suffix_warps, self.suffix_impl = suffix_tokens, suffix_warps, suffix_impl
         self.column_tokens, self.column_warps = column_tokens, column_warps
         self.prefix_impl, self.prefix_tokens, self.prefix_warps = prefix_impl, prefix_tokens, prefix_warps
-        # the key path's tensor-core product needs >= 16 tokens per program
-        self.keypath_tokens, self.keypath_warps = max(16, keypath_tokens or DOT_TOKENS), keypath_warps or 4
+        if 0 < keypath_tokens < 16:
+            raise ValueError(f"keypath_tokens ({keypath_tokens}) must be >= 16: the key path is a tensor-core "
+                             "product over tokens")
+        self.keypath_tokens, self.keypath_warps = keypath_tokens or DOT_TOKENS, keypath_warps or 4
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)
         self.p, self.k = b * t, d // heads
