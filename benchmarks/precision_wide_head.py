@@ -1,0 +1,97 @@
+"""fp32 accuracy of the chunked full-mode routing at head width 96 (d 192, H 2, 7 sites), against float64,
+compared with PyTorch's own fp32 error on the same draws. CPU, Triton interpreter; minutes per 10 draws.
+
+    TRITON_INTERPRET=1 python benchmarks/precision_wide_head.py [--draws 30] [--impl fma|dot]
+
+The stack is the kernel tests' (tests/kernels/kernel_helpers.full_mode_loss: S_{s+1} = tanh(x_s @ M_s)).
+Per draw: relative error of the final output and of the three gradients for (1) the Triton path, (2) torch
+fp32, (3) torch fp32 on the same function with the features permuted inside each head (another rounding
+order of the same algorithm: how far two fp32 evaluations of this chain differ by rounding alone). Prints
+each draw, then the RMS over draws and how often each path exceeds max(1e-5, 2x torch fp32's error on that
+draw) - the kernel tests' per-draw criterion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
+
+import torch  # noqa: E402
+from kernel_helpers import full_mode_loss, leaf, rel, torch_site  # noqa: E402
+
+from mhar_lit.kernels.full_routing import FullRouting  # noqa: E402
+
+NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
+SITES, D, HEADS = 7, 192, 2
+
+
+def draw(gen):
+    emb = torch.randn(2, 3, D, generator=gen, dtype=torch.float64) * 2
+    q = torch.randn(SITES, D, generator=gen, dtype=torch.float64)
+    g = 1 + 0.3 * torch.randn(SITES, D, generator=gen, dtype=torch.float64)
+    mats = [torch.randn(D, D, generator=gen, dtype=torch.float64) / D ** 0.5 for _ in range(SITES)]
+    dout = torch.randn(2, 3, D, generator=gen, dtype=torch.float64)
+    return emb, q, g, mats, dout
+
+
+def evaluate(kind, emb, q, g, mats, dout, dtype, impl="fma"):
+    e, qq, gg = leaf(emb.to(dtype), q.to(dtype), g.to(dtype))
+    if kind == "torch":
+        site_fn = torch_site(qq, gg, HEADS)
+    else:
+        routing = FullRouting(e, qq, gg, HEADS, chunk=3, group=2, prefix_impl=impl, suffix_impl=impl)
+
+        def site_fn(s, sources):
+            return routing.route(s, sources[-1], *((qq, gg) if s == 0 else (None, None)))
+
+    outputs = []
+    loss = full_mode_loss(site_fn, e, qq, gg, [m.to(dtype) for m in mats], dout, outputs)
+    return (outputs[0], *torch.autograd.grad(loss, (e, qq, gg)))
+
+
+def permuted(problem, gen):
+    """The same function with the features permuted inside each head, and a map back."""
+    emb, q, g, mats, dout = problem
+    k = D // HEADS
+    perm = torch.cat([h * k + torch.randperm(k, generator=gen) for h in range(HEADS)])
+    inv = torch.argsort(perm)
+    moved = (emb[..., perm], q[:, perm], g[:, perm], [m[perm][:, perm] for m in mats], dout[..., perm])
+    return moved, lambda r: (r[0][..., inv], r[1][..., inv], r[2][:, inv], r[3][:, inv])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draws", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=100, help="first draw's seed")
+    parser.add_argument("--impl", default="fma", choices=["fma", "dot"], help="prefix/suffix pass version")
+    args = parser.parse_args()
+    rows = []
+    for seed in range(args.seed, args.seed + args.draws):
+        gen = torch.Generator().manual_seed(seed)
+        problem = draw(gen)
+        exact = evaluate("torch", *problem, torch.float64)
+        ref32 = evaluate("torch", *problem, torch.float32)
+        moved, back = permuted(problem, gen)
+        perm32 = back(evaluate("torch", *moved, torch.float32))
+        tri32 = evaluate("triton", *problem, torch.float32, args.impl)
+        rows.append([(rel(t, x), rel(r, x), rel(p, x)) for t, r, p, x in zip(tri32, ref32, perm32, exact)])
+        print(f"seed {seed}: " + "  ".join(f"{n} {t:.1e}/{r:.1e}/{p:.1e}" for n, (t, r, p) in zip(NAMES, rows[-1])),
+              flush=True)
+    print(f"\n{args.draws} draws, impl {args.impl}: RMS of the relative errors (triton / torch fp32 / torch fp32 "
+          "permuted) and the share of draws above max(1e-5, 2x torch fp32's error)")
+    for i, name in enumerate(NAMES):
+        rms = [statistics.fmean(r[i][k] ** 2 for r in rows) ** 0.5 for k in range(3)]
+        over = [sum(r[i][k] > max(1e-5, 2 * r[i][1]) for r in rows) / len(rows) for k in (0, 2)]
+        print(f"  {name:14s} {rms[0]:.2e} / {rms[1]:.2e} / {rms[2]:.2e}  (ratio {rms[0] / rms[1]:.2f})  "
+              f"above: triton {over[0]:.2f}, permuted torch {over[1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
