@@ -24,36 +24,15 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
 
 import torch  # noqa: E402
-from kernel_helpers import full_mode_loss, leaf, rel, torch_site  # noqa: E402
-
-from mhar_lit.kernels.full_routing import FullRouting  # noqa: E402
+from kernel_helpers import full_mode_output_and_grads, full_mode_problem, rel  # noqa: E402
 
 NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
 SITES, D, HEADS = 7, 192, 2
 
 
-def draw(gen):
-    emb = torch.randn(2, 3, D, generator=gen, dtype=torch.float64) * 2
-    q = torch.randn(SITES, D, generator=gen, dtype=torch.float64)
-    g = 1 + 0.3 * torch.randn(SITES, D, generator=gen, dtype=torch.float64)
-    mats = [torch.randn(D, D, generator=gen, dtype=torch.float64) / D ** 0.5 for _ in range(SITES)]
-    dout = torch.randn(2, 3, D, generator=gen, dtype=torch.float64)
-    return emb, q, g, mats, dout
-
-
-def evaluate(kind, emb, q, g, mats, dout, dtype, impl="fma"):
-    e, qq, gg = leaf(emb.to(dtype), q.to(dtype), g.to(dtype))
-    if kind == "torch":
-        site_fn = torch_site(qq, gg, HEADS)
-    else:
-        routing = FullRouting(e, qq, gg, HEADS, chunk=3, group=2, prefix_impl=impl, suffix_impl=impl)
-
-        def site_fn(s, sources):
-            return routing.route(s, sources[-1], *((qq, gg) if s == 0 else (None, None)))
-
-    outputs = []
-    loss = full_mode_loss(site_fn, e, qq, gg, [m.to(dtype) for m in mats], dout, outputs)
-    return (outputs[0], *torch.autograd.grad(loss, (e, qq, gg)))
+def evaluate(kind, problem, dtype, impl="fma"):
+    return full_mode_output_and_grads(kind, *problem, HEADS, dtype, chunk=3, group=2, prefix_impl=impl,
+                                      suffix_impl=impl)
 
 
 def permuted(problem, gen):
@@ -75,12 +54,12 @@ def main() -> None:
     rows = []
     for seed in range(args.seed, args.seed + args.draws):
         gen = torch.Generator().manual_seed(seed)
-        problem = draw(gen)
-        exact = evaluate("torch", *problem, torch.float64)
-        ref32 = evaluate("torch", *problem, torch.float32)
+        problem = full_mode_problem(SITES, 2, 3, D, gen)
+        exact = evaluate("torch", problem, torch.float64)
+        ref32 = evaluate("torch", problem, torch.float32)
         moved, back = permuted(problem, gen)
-        perm32 = back(evaluate("torch", *moved, torch.float32))
-        tri32 = evaluate("triton", *problem, torch.float32, args.impl)
+        perm32 = back(evaluate("torch", moved, torch.float32))
+        tri32 = evaluate("triton", problem, torch.float32, args.impl)
         rows.append([(rel(t, x), rel(r, x), rel(p, x)) for t, r, p, x in zip(tri32, ref32, perm32, exact)])
         print(f"seed {seed}: " + "  ".join(f"{n} {t:.1e}/{r:.1e}/{p:.1e}" for n, (t, r, p) in zip(NAMES, rows[-1])),
               flush=True)

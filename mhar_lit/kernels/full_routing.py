@@ -128,6 +128,7 @@ class FullRouting:
         self.k_b = 32 if self.k >= 32 else 16  # column slice of the tensor-core products
         self.k_split = dot_split(self.k)  # the "dot" passes' head columns: two power-of-two slices
         self.k_w = column_block(self.k, column_width)  # the forward passes' columns per program
+        self.k_blocks = triton.cdiv(self.k, self.k_w)
         self.prec = "ieee" if self.acc_t == torch.float64 else "tf32x3"  # fp32-accurate tensor-core dots
         self.param_dtypes = (query_SD.dtype, norm_weight_SD.dtype)
         # Launch key (mhar_lit.kernels.launch): the runtime arguments that are fixed for this object (sizes,
@@ -199,7 +200,7 @@ class FullRouting:
         m, l, acc = self._chunk_state if s0 > 0 else (self.lse, self.lse, self.lse)
         c_p = pow2(self.chunk)
         block_t = tile_tokens(c_p * self.k_w, self.tile)  # the in-chunk rows' [tokens, C_P, K_W] tile
-        launch(kern._merge_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, triton.cdiv(self.k, self.k_w)),
+        launch(kern._merge_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, self.k_blocks),
             self.rows, self.z, m, l, acc, out_PD, self.lse,
             s0, site, site - s0, self.n_sites, self.p, d, self.heads, self.k,
             HAS_INIT=s0 > 0, BLOCK_T=block_t, K_W=self.k_w, C_P=c_p, ACC=self.acc_tl, num_warps=self.num_warps,
@@ -253,7 +254,7 @@ class FullRouting:
             return
         c_p = pow2(self.chunk)
         block_t = self.prefix_tokens or tile_tokens(c_p * self.k_w, self.tile)
-        launch(kern._prefix_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, triton.cdiv(self.k, self.k_w)),
+        launch(kern._prefix_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, self.k_blocks),
             self.rows, self.z, m, l, acc,
             s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
             C_P=c_p, BLOCK_T=block_t, K_W=self.k_w, ACC=self.acc_tl, UNROLL=self.prefix_unroll,
@@ -382,7 +383,7 @@ def column_block(k: int, width: int = 0) -> int:
         if width & (width - 1) or k % width:
             raise ValueError(f"column_width {width} must be a power of two dividing the head width {k}")
         return width
-    if k & (k - 1) == 0:
+    if pow2(k) == k:
         return k
     div = k & -k  # largest power of two dividing k
     return div if div >= 16 else pow2(k)

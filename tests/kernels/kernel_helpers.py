@@ -45,6 +45,38 @@ def full_mode_loss(routing_fn, emb, q_SD, g_SD, mats, dout, outputs=None):
     return (x.to(torch.float64) * dout).sum() + extra
 
 
+def full_mode_problem(n_sites, b, t, d, gen):
+    """A float64 full-mode case: embedding [b, t, d], queries and norm weights [n_sites, d], one sublayer
+    matrix per site and the final output's gradient."""
+    emb = torch.randn(b, t, d, generator=gen, dtype=torch.float64) * 2
+    q = torch.randn(n_sites, d, generator=gen, dtype=torch.float64)
+    g = 1 + 0.3 * torch.randn(n_sites, d, generator=gen, dtype=torch.float64)
+    mats = [torch.randn(d, d, generator=gen, dtype=torch.float64) / d**0.5 for _ in range(n_sites)]
+    dout = torch.randn(b, t, d, generator=gen, dtype=torch.float64)
+    return emb, q, g, mats, dout
+
+
+def full_mode_output_and_grads(kind, emb, q, g, mats, dout, heads, dtype, chunk=3, group=2, **knobs):
+    """(final output, d_embedding, d_query, d_norm_weight) of the full-mode stack in `dtype`; kind "torch"
+    routes with the reference, anything else with FullRouting (knobs go to it)."""
+    e, qq, gg = leaf(emb.to(dtype), q.to(dtype), g.to(dtype))
+    mats = [m.to(dtype) for m in mats]
+    if kind == "torch":
+        site_fn = torch_site(qq, gg, heads)
+    else:
+        from mhar_lit.kernels.full_routing import FullRouting  # needs triton; the helpers do not
+
+        routing = FullRouting(e, qq, gg, heads, chunk=chunk, group=group, **knobs)
+
+        def site_fn(s, sources):
+            params = (qq, gg) if s == 0 else (None, None)
+            return routing.route(s, sources[-1], *params)
+
+    outputs = []
+    loss = full_mode_loss(site_fn, e, qq, gg, mats, dout, outputs)
+    return (outputs[0], *torch.autograd.grad(loss, (e, qq, gg)))
+
+
 def torch_site(q_SD, g_SD, heads):
     return lambda s, sources: route(torch.stack(sources), q_SD[s], g_SD[s], heads)
 

@@ -14,7 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_helpers import fresh_generator, full_mode_loss, leaf, rel, torch_site  # noqa: E402
+from kernel_helpers import (fresh_generator, full_mode_loss, full_mode_output_and_grads,  # noqa: E402
+                            full_mode_problem, leaf, rel)
 
 from mhar_lit.config import ModelConfig  # noqa: E402
 from mhar_lit.kernels import launch as fast_launch  # noqa: E402
@@ -34,15 +35,6 @@ def audit_launch_keys(monkeypatch):
     fast_launch.clear_cache()
 
 
-def _problem(n_sites, b, t, d, gen):
-    emb = torch.randn(b, t, d, generator=gen, dtype=torch.float64) * 2
-    q = torch.randn(n_sites, d, generator=gen, dtype=torch.float64)
-    g = 1 + 0.3 * torch.randn(n_sites, d, generator=gen, dtype=torch.float64)
-    mats = [torch.randn(d, d, generator=gen, dtype=torch.float64) / d**0.5 for _ in range(n_sites)]
-    dout = torch.randn(b, t, d, generator=gen, dtype=torch.float64)
-    return emb, q, g, mats, dout
-
-
 # What the checks compare: the final site's output (the forward) and the three gradients. Not the scalar
 # loss: sum(x * dout) with a random dout cancels (condition numbers of ~200 occur), so its relative error
 # measures the draw's conditioning more than the kernel (on seed 1555720104 the loss of the fp32 torch
@@ -52,24 +44,6 @@ NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
 # checking each pair of the same kind covers all four kernels, and a mixed pair the defaults' independence.
 IMPLS = [dict(prefix_impl=p, suffix_impl=s) for p, s in (("fma", "fma"), ("dot", "dot"), ("fma", "dot"))]
 assert {i["prefix_impl"] for i in IMPLS} == set(PASS_IMPLS) and {i["suffix_impl"] for i in IMPLS} == set(PASS_IMPLS)
-
-
-def _output_and_grads(kind, emb, q, g, mats, dout, heads, dtype, chunk=3, group=2, **knobs):
-    """(final output, d_embedding, d_query, d_norm_weight) of the full-mode stack; knobs go to FullRouting."""
-    e, qq, gg = leaf(emb.to(dtype), q.to(dtype), g.to(dtype))
-    mats = [m.to(dtype) for m in mats]
-    if kind == "torch":
-        site_fn = torch_site(qq, gg, heads)
-    else:
-        routing = FullRouting(e, qq, gg, heads, chunk=chunk, group=group, **knobs)
-
-        def site_fn(s, sources):
-            params = (qq, gg) if s == 0 else (None, None)
-            return routing.route(s, sources[-1], *params)
-
-    outputs = []
-    loss = full_mode_loss(site_fn, e, qq, gg, mats, dout, outputs)
-    return (outputs[0], *torch.autograd.grad(loss, (e, qq, gg)))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -83,10 +57,10 @@ def _output_and_grads(kind, emb, q, g, mats, dout, heads, dtype, chunk=3, group=
 ])
 def test_fp32_matches_float64_reference(n_sites, heads, d, chunk, group, impl):
     gen = fresh_generator()
-    problem = _problem(n_sites, 2, 3, d, gen)
-    ref = _output_and_grads("torch", *problem, heads, torch.float64)
-    got = _output_and_grads("triton", *problem, heads, torch.float32, chunk, group, **impl)
-    ref32 = _output_and_grads("torch", *problem, heads, torch.float32)
+    problem = full_mode_problem(n_sites, 2, 3, d, gen)
+    ref = full_mode_output_and_grads("torch", *problem, heads, torch.float64)
+    got = full_mode_output_and_grads("triton", *problem, heads, torch.float32, chunk, group, **impl)
+    ref32 = full_mode_output_and_grads("torch", *problem, heads, torch.float32)
     for name, a, r, r32 in zip(NAMES, got, ref, ref32):
         # 1e-5; a rare ill-conditioned draw (the chain amplifies fp32 rounding) may exceed it only as far as
         # the fp32 PyTorch reference itself does on the same draw
@@ -102,11 +76,11 @@ def test_head_split_dot_passes_equal_fma_passes():
     fp32's while 7% of single draws exceed 2x that draw's torch error (two fp32 evaluations with different
     rounding orders along an ill-conditioned chain; docs/LOG.md, session 8)."""
     gen = fresh_generator()
-    problem = _problem(7, 2, 3, 192, gen)
-    exact = _output_and_grads("torch", *problem, 2, torch.float64)
-    ref32 = _output_and_grads("torch", *problem, 2, torch.float32)
-    fma = _output_and_grads("triton", *problem, 2, torch.float32, 3, 2, **IMPLS[0])
-    dot = _output_and_grads("triton", *problem, 2, torch.float32, 3, 2, **IMPLS[1])
+    problem = full_mode_problem(7, 2, 3, 192, gen)
+    exact = full_mode_output_and_grads("torch", *problem, 2, torch.float64)
+    ref32 = full_mode_output_and_grads("torch", *problem, 2, torch.float32)
+    fma = full_mode_output_and_grads("triton", *problem, 2, torch.float32, 3, 2, **IMPLS[0])
+    dot = full_mode_output_and_grads("triton", *problem, 2, torch.float32, 3, 2, **IMPLS[1])
     for name, a, b, r, x in zip(NAMES, dot, fma, ref32, exact):
         tol = max(1e-6, 2 * rel(r, x))
         assert rel(a, b) <= tol, f"{name}: dot vs fma {rel(a, b):.1e}, tol {tol:.1e} (seed {gen.initial_seed()})"
@@ -115,17 +89,17 @@ def test_head_split_dot_passes_equal_fma_passes():
 @pytest.mark.parametrize("impl", IMPLS[:2])
 def test_chunked_equals_unchunked_and_per_call_path(impl):
     gen = fresh_generator()
-    problem = _problem(8, 1, 4, 16, gen)
-    unchunked = _output_and_grads("triton", *problem, 4, torch.float32, chunk=1, group=1, **impl)
-    chunked = _output_and_grads("triton", *problem, 4, torch.float32, chunk=3, group=5, **impl)
+    problem = full_mode_problem(8, 1, 4, 16, gen)
+    unchunked = full_mode_output_and_grads("triton", *problem, 4, torch.float32, chunk=1, group=1, **impl)
+    chunked = full_mode_output_and_grads("triton", *problem, 4, torch.float32, chunk=3, group=5, **impl)
     emb, q, g, mats, dout = problem
     e, qq, gg = leaf(emb.float(), q.float(), g.float())
     per_call = lambda s, sources: route(torch.stack(sources), qq[s], gg[s], 4, backend="triton")  # noqa: E731
     outputs = []
     loss = full_mode_loss(per_call, e, qq, gg, [m.float() for m in mats], dout, outputs)
     per_call_grads = (outputs[0], *torch.autograd.grad(loss, (e, qq, gg)))
-    exact = _output_and_grads("torch", *problem, 4, torch.float64)
-    ref32 = _output_and_grads("torch", *problem, 4, torch.float32)
+    exact = full_mode_output_and_grads("torch", *problem, 4, torch.float64)
+    ref32 = full_mode_output_and_grads("torch", *problem, 4, torch.float32)
     for name, a, b, c, x, r in zip(NAMES, chunked, unchunked,
                                    per_call_grads, exact, ref32):
         # chunking only reorders fp32 sums (the prefix merge, the suffix/in-group split of the backward): the
@@ -145,17 +119,17 @@ def test_unroll_and_tiling_change_nothing():
     only regroup tokens, whose sums are independent, and the kernel versions only reorder fp32 sums (equal to
     fp32 rounding of the reduction order)."""
     gen = fresh_generator()
-    problem = _problem(9, 3, 5, 12, gen)  # prefix rows 3, 6 and suffix sites 7, 5, 3, 1: every remainder
+    problem = full_mode_problem(9, 3, 5, 12, gen)  # prefix rows 3, 6 and suffix sites 7, 5, 3, 1: every remainder
     fma = dict(prefix_impl="fma", suffix_impl="fma")  # the unroll knobs belong to the CUDA-core passes
-    base = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, prefix_unroll=1,
+    base = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, prefix_unroll=1,
                              suffix_unroll=1, **fma)
     for prefix, suffix in ((2, 2), (4, 4), (4, 1), (1, 2)):
-        got = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, prefix_unroll=prefix,
+        got = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, prefix_unroll=prefix,
                                 suffix_unroll=suffix, **fma)
         assert all(torch.equal(a, b) for a, b in zip(got, base)), (
             f"unroll {prefix}/{suffix} (seed {gen.initial_seed()})")
     for impl in IMPLS:  # other token tiles, warps and column tiles, for every kernel version
-        tiled = _output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, suffix_tokens=8,
+        tiled = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, suffix_tokens=8,
                                   suffix_warps=8, prefix_tokens=4, prefix_warps=2, column_tokens=2,
                                   column_warps=4, keypath_tokens=16, keypath_warps=2, **impl)
         for name, a, b in zip(NAMES, tiled, base):
@@ -167,12 +141,12 @@ def test_column_blocks_change_nothing():
     for widths like 1B's 160 = 5 x 32). Every column's sums are the same, so the result is bitwise equal to
     one padded block (K = 12: 16 columns) and matches float64."""
     gen = fresh_generator()
-    problem = _problem(9, 2, 3, 24, gen)  # K = 12: prefix passes at sites 3 and 6, merges of 1-3 rows
-    whole = _output_and_grads("triton", *problem, 2, torch.float32, chunk=3, group=2)
-    exact = _output_and_grads("torch", *problem, 2, torch.float64)
-    ref32 = _output_and_grads("torch", *problem, 2, torch.float32)
+    problem = full_mode_problem(9, 2, 3, 24, gen)  # K = 12: prefix passes at sites 3 and 6, merges of 1-3 rows
+    whole = full_mode_output_and_grads("triton", *problem, 2, torch.float32, chunk=3, group=2)
+    exact = full_mode_output_and_grads("torch", *problem, 2, torch.float64)
+    ref32 = full_mode_output_and_grads("torch", *problem, 2, torch.float32)
     for width in (4, 2):
-        split = _output_and_grads("triton", *problem, 2, torch.float32, chunk=3, group=2, column_width=width)
+        split = full_mode_output_and_grads("triton", *problem, 2, torch.float32, chunk=3, group=2, column_width=width)
         for name, a, b, x, r in zip(NAMES, split, whole, exact, ref32):
             assert torch.equal(a, b), f"column_width {width}: {name} differs by {rel(a, b):.1e}"
             assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), f"{name}: {rel(a, x):.1e} (seed {gen.initial_seed()})"
@@ -202,7 +176,7 @@ def test_misaligned_outside_tensors_route_the_same():
     compiles other kernels for them, so the launch keys must tell them apart (the audit fixture checks); the
     results are those of aligned copies."""
     gen = fresh_generator()
-    emb, q, g, mats, dout = _problem(6, 1, 3, 8, gen)
+    emb, q, g, mats, dout = full_mode_problem(6, 1, 3, 8, gen)
 
     def misaligned(x):  # same values, data pointer 4 bytes past an aligned one
         buf = torch.empty(x.numel() + 1, dtype=x.dtype)
@@ -239,7 +213,7 @@ def test_misaligned_outside_tensors_route_the_same():
 @pytest.mark.parametrize("impl", IMPLS)
 def test_float64_gradcheck(impl):
     gen = fresh_generator()
-    emb, q, g, mats, dout = _problem(4, 1, 2, 6, gen)
+    emb, q, g, mats, dout = full_mode_problem(4, 1, 2, 6, gen)
 
     def fn(e, qq, gg):
         routing = FullRouting(e, qq, gg, 2, chunk=2, group=2, **impl)
@@ -252,26 +226,26 @@ def test_float64_gradcheck(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bf16_within_reference_rounding_error(impl):
     gen = fresh_generator()
-    problem = _problem(7, 2, 4, 32, gen)
-    exact = _output_and_grads("torch", *problem, 4, torch.float64)
-    ref = _output_and_grads("torch", *problem, 4, torch.bfloat16)
-    got = _output_and_grads("triton", *problem, 4, torch.bfloat16, **impl)
+    problem = full_mode_problem(7, 2, 4, 32, gen)
+    exact = full_mode_output_and_grads("torch", *problem, 4, torch.float64)
+    ref = full_mode_output_and_grads("torch", *problem, 4, torch.bfloat16)
+    got = full_mode_output_and_grads("triton", *problem, 4, torch.bfloat16, **impl)
     for name, a, r, e in zip(NAMES, got, ref, exact):
         assert rel(a, e) <= 2 * rel(r, e) + 1e-3, f"{name}: {rel(a, e):.2e} vs {rel(r, e):.2e}"
 
 
 def test_repeated_runs_bitwise_identical():
     gen = fresh_generator()
-    problem = _problem(7, 2, 3, 16, gen)
-    first = _output_and_grads("triton", *problem, 4, torch.float32)
-    second = _output_and_grads("triton", *problem, 4, torch.float32)
+    problem = full_mode_problem(7, 2, 3, 16, gen)
+    first = full_mode_output_and_grads("triton", *problem, 4, torch.float32)
+    second = full_mode_output_and_grads("triton", *problem, 4, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def test_second_backward_of_a_retained_graph():
     """A retained graph differentiated twice (each backward restarts at the final site): the same gradients."""
     gen = fresh_generator()
-    emb, q, g, mats, dout = _problem(5, 1, 3, 8, gen)
+    emb, q, g, mats, dout = full_mode_problem(5, 1, 3, 8, gen)
     e, qq, gg = leaf(emb.float(), q.float(), g.float())
     routing = FullRouting(e, qq, gg, 2, chunk=2, group=2)
     site_fn = lambda s, src: routing.route(s, src[-1], *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
@@ -289,7 +263,7 @@ def test_forward_state_is_freed_by_the_backward_while_the_loss_lives():
     import weakref
 
     gen = fresh_generator()
-    emb, q, g, mats, dout = _problem(5, 1, 3, 8, gen)
+    emb, q, g, mats, dout = full_mode_problem(5, 1, 3, 8, gen)
     e, qq, gg = leaf(emb.float(), q.float(), g.float())
     for retain in (True, False):
         routing = FullRouting(e, qq, gg, 2, chunk=2, group=2)
@@ -380,7 +354,7 @@ def test_decoder_sublayer_checkpointing_works_with_triton_full_routing(residual_
 
 def test_checkpointed_routing_raises_clearly():
     gen = fresh_generator()
-    emb, q, g, mats, _ = _problem(3, 1, 2, 8, gen)
+    emb, q, g, mats, _ = full_mode_problem(3, 1, 2, 8, gen)
     e, qq, gg = leaf(emb.float(), q.float(), g.float())
     routing = FullRouting(e, qq, gg, 2)
     x = routing.route(0, e, qq, gg)
@@ -394,7 +368,7 @@ def test_checkpointed_routing_raises_clearly():
 
 def test_unused_site_output_raises():
     gen = fresh_generator()
-    emb, q, g, _, _ = _problem(3, 1, 2, 8, gen)
+    emb, q, g, _, _ = full_mode_problem(3, 1, 2, 8, gen)
     e, qq, gg = leaf(emb.float(), q.float(), g.float())
     routing = FullRouting(e, qq, gg, 2)
     x0 = routing.route(0, e, qq, gg)
