@@ -2,9 +2,11 @@
 replication recipe (configs/replication/base.yaml: 100M, the embedded corpus streamed by litdata, MLflow in
 sqlite, validation, routing monitor, checkpoints) with and without capture, per method overlay
 (configs/methods/*.yaml). Same seed and data; the per-step training losses are read back from each run's
-MLflow store and compared, and the logged throughput of the two runs is reported.
+MLflow store and compared, and the logged throughput of the two runs is reported. With --control a second
+eager fit gives the eager-vs-eager difference (bf16 GPU training is not bitwise reproducible), the yardstick
+for the captured run's.
 
-    python benchmarks/cli_graph_check.py [--methods hc mhar] [--steps 120] [--out DIR]
+    python benchmarks/cli_graph_check.py [--methods hc mhar] [--steps 120] [--out DIR] [--control]
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
-def run_fit(method: str, graph: bool, steps: int, out: str, extra: list[str]) -> dict:
-    store = os.path.join(out, f"{method}_{'graph' if graph else 'eager'}")
+def run_fit(method: str, graph: bool, steps: int, out: str, extra: list[str], tag: str = "") -> dict:
+    store = os.path.join(out, f"{method}_{'graph' if graph else 'eager'}{tag}")
     os.makedirs(store, exist_ok=True)
     uri = "sqlite:///" + os.path.abspath(os.path.join(store, "mlflow.db"))
     half = max(1, steps // 2)
@@ -51,6 +53,15 @@ def run_fit(method: str, graph: bool, steps: int, out: str, extra: list[str]) ->
     return result
 
 
+def loss_diffs(a: dict, b: dict) -> tuple[float, float, int]:
+    """Largest relative difference of two runs' per-step training losses and of their validation losses."""
+    steps = sorted(set(a["losses"]) & set(b["losses"]))
+    diff = max(abs(a["losses"][s] - b["losses"][s]) / abs(a["losses"][s]) for s in steps)
+    val_steps = sorted(set(a["val"]) & set(b["val"]))
+    val_diff = max((abs(a["val"][s] - b["val"][s]) / a["val"][s] for s in val_steps), default=float("nan"))
+    return diff, val_diff, len(steps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=["hc", "mhar"])
@@ -58,6 +69,7 @@ def main() -> None:
     parser.add_argument("--out", default="cli_graph_check")
     parser.add_argument("--extra", default="", help="more CLI arguments for every fit (e.g. a CPU smoke test)")
     parser.add_argument("--eager-only", action="store_true", help="CPU smoke test of this script: no capture")
+    parser.add_argument("--control", action="store_true", help="also a second eager fit (eager-vs-eager diff)")
     args = parser.parse_args()
     args.out = os.path.abspath(args.out)
     import torch
@@ -71,18 +83,19 @@ def main() -> None:
         extra = shlex.split(args.extra)
         eager = run_fit(method, False, args.steps, args.out, extra)
         graph = eager if args.eager_only else run_fit(method, True, args.steps, args.out, extra)
-        report["runs"] += [eager, graph]
-        if eager["rc"] or graph["rc"]:
-            rows.append(f"{method:9s} FAILED (rc eager {eager['rc']}, graph {graph['rc']}): "
-                        f"{(graph.get('error') or eager.get('error', ''))[-300:]}")
+        control = run_fit(method, False, args.steps, args.out, extra, tag="2") if args.control else None
+        report["runs"] += [eager, graph] + ([control] if control else [])
+        failed = [r for r in (eager, graph, control) if r and r["rc"]]
+        if failed:
+            rows.append(f"{method:9s} FAILED (rc {[r['rc'] for r in failed]}): {failed[0].get('error', '')[-300:]}")
             continue
-        steps = sorted(set(eager["losses"]) & set(graph["losses"]))
-        diff = max(abs(eager["losses"][s] - graph["losses"][s]) / abs(eager["losses"][s]) for s in steps)
-        val_steps = sorted(set(eager["val"]) & set(graph["val"]))
-        val_diff = max((abs(eager["val"][s] - graph["val"][s]) / eager["val"][s] for s in val_steps), default=float("nan"))
+        diff, val_diff, n_steps = loss_diffs(eager, graph)
         speed = [statistics.median(list(r["tokens_per_s"].values())[1:] or [float("nan")]) for r in (eager, graph)]
-        rows.append(f"{method:9s} steps {len(steps):4d}  max rel train-loss diff {diff:.1e}  val diff {val_diff:.1e}  "
+        rows.append(f"{method:9s} steps {n_steps:4d}  max rel train-loss diff {diff:.1e}  val diff {val_diff:.1e}  "
                     f"tok/s eager {speed[0]:9.0f} graph {speed[1]:9.0f} ({speed[1] / speed[0]:.2f}x)")
+        if control:
+            diff, val_diff, n_steps = loss_diffs(eager, control)
+            rows.append(f"{method:9s} control: eager vs eager  max rel train-loss diff {diff:.1e}  val diff {val_diff:.1e}")
         with open(os.path.join(args.out, "cli_graph_check.json"), "w") as f:
             json.dump(report, f, indent=1)
     with open(os.path.join(args.out, "cli_graph_check.json"), "w") as f:
