@@ -595,9 +595,6 @@ def _suffix_dot_bwd_kernel(
         r_tg = tl.load(r_ptr + (n_lo + offs_g)[None, :].to(tl.int64) * P + offs_t[:, None],
                        mask=mask_t[:, None] & mask_g[None, :], other=0.0)  # [BLOCK_T, G_P]
         c_tg = tl.zeros([BLOCK_T, G_P], ACC)
-        dk_a = tl.zeros([BLOCK_T * G_P, K_A], ACC)
-        if K_B > 0:
-            dk_b = tl.zeros([BLOCK_T * G_P, K_B], ACC)
     for s0 in range(s_lo, s_hi, S_B):
         s = s0 + offs_s
         ok_s = s < s_hi
@@ -622,25 +619,33 @@ def _suffix_dot_bwd_kernel(
         tl.store(dl_ptr + z_off, dl, mask=mask_z)
         if KEYPATH:
             c_tg += tl.sum(dl * tl.where(mask_z, logit, 0.0), axis=2)  # dl is 0 where masked
-            rdl = tl.reshape(dl * r_tg[:, :, None], (BLOCK_T * G_P, S_B))
-            w_rows = s[:, None].to(tl.int64) * D + h * K
-            offs_ka = tl.arange(0, K_A)
-            w_a = tl.load(w_ptr + w_rows + offs_ka[None, :], mask=ok_s[:, None] & (offs_ka < K)[None, :], other=0.0)
-            dk_a = tl.dot(rdl, w_a.to(ACC), dk_a, input_precision=PREC, out_dtype=ACC)
-            if K_B > 0:
-                offs_kb = K_A + tl.arange(0, K_B)
-                w_b = tl.load(w_ptr + w_rows + offs_kb[None, :], mask=ok_s[:, None] & (offs_kb < K)[None, :],
-                              other=0.0)
-                dk_b = tl.dot(rdl, w_b.to(ACC), dk_b, input_precision=PREC, out_dtype=ACC)
         dv_a = _mma_weights(alpha, dout_a, dv_a, store_ty, ACC, PREC)
         if K_B > 0:
             dv_b = _mma_weights(alpha, dout_b, dv_b, store_ty, ACC, PREC)
 
     part_off = offs_g[None, :, None].to(tl.int64) * row_stride
     if KEYPATH:
-        dv_a += tl.reshape(dk_a, (BLOCK_T, G_P, K_A))
-        if K_B > 0:
-            dv_b += tl.reshape(dk_b, (BLOCK_T, G_P, K_B))
+        # The key path in a second sweep over the sites, after the loop: the rows v are dead by then, so the
+        # w operand takes their registers (inside the loop it spilled). dl comes back from memory, just
+        # written by this program's threads: the barrier makes their stores visible to all of its warps.
+        tl.debug_barrier()
+        offs_ka = tl.arange(0, K_A)
+        for s0 in range(s_lo, s_hi, S_B):
+            s = s0 + offs_s
+            ok_s = s < s_hi
+            z_off = ((pair_g[None, :, None] + (s - s_lo)[None, None, :]) * H + h) * P + offs_t[:, None, None]
+            mask_z = (mask_t[:, None] & ok_s[None, :])[:, None, :] & mask_g[None, :, None]
+            rdl = tl.load(dl_ptr + z_off, mask=mask_z, other=0.0) * r_tg[:, :, None]  # [T, G, S]
+            w_rows = s[:, None].to(tl.int64) * D + h * K
+            w_a = tl.load(w_ptr + w_rows + offs_ka[None, :], mask=ok_s[:, None] & (offs_ka < K)[None, :], other=0.0)
+            dv_a = tl.dot(rdl, tl.broadcast_to(w_a.to(ACC)[None, :, :], (BLOCK_T, S_B, K_A)), dv_a,
+                          input_precision=PREC, out_dtype=ACC)
+            if K_B > 0:
+                offs_kb = K_A + tl.arange(0, K_B)
+                w_b = tl.load(w_ptr + w_rows + offs_kb[None, :], mask=ok_s[:, None] & (offs_kb < K)[None, :],
+                              other=0.0)
+                dv_b = tl.dot(rdl, tl.broadcast_to(w_b.to(ACC)[None, :, :], (BLOCK_T, S_B, K_B)), dv_b,
+                              input_precision=PREC, out_dtype=ACC)
         tl.store(c_part_ptr + (offs_g[None, :] * H + h).to(tl.int64) * P + offs_t[:, None], c_tg,
                  mask=mask_t[:, None] & mask_g[None, :])
     tl.store(part_dv_ptr + part_off + tok_a, dv_a, mask=mask_tg & mk_a)

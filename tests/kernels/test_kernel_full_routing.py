@@ -167,9 +167,10 @@ def test_fused_column_equals_split_column():
     exact = full_mode_output_and_grads("torch", *problem, 3, torch.float64)
     ref32 = full_mode_output_and_grads("torch", *problem, 3, torch.float32)
     split = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=4, group=3, column_impl="split")
-    for suffix in PASS_IMPLS:  # the suffix key path in the "dot" suffix pass, or in the column kernel
+    # the suffix pairs' key path in the column kernel (after either suffix pass) or in the "dot" suffix pass
+    for suffix, keypath in (("fma", False), ("dot", False), ("dot", True)):
         fused = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=4, group=3,
-                                           column_impl="fused", suffix_impl=suffix)
+                                           column_impl="fused", suffix_impl=suffix, suffix_keypath=keypath)
         for name, a, b, x, r in zip(NAMES, fused, split, exact, ref32):
             assert rel(a, b) <= max(1e-6, 2 * rel(r, x)), f"{suffix} {name}: fused vs split {rel(a, b):.1e}"
             assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), (
