@@ -555,20 +555,17 @@ def _head_slice(offs_t, h, K, D, k0, KW: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_lo", "n_src", "s_lo"])
 def _suffix_dot_bwd_kernel(
-    rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, z_ptr, dl_ptr, part_dv_ptr, r_ptr, w_ptr, c_part_ptr,
+    rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, z_ptr, dl_ptr, part_dv_ptr,
     n_lo, n_src, s_lo, s_hi, N, P, D, H, K,
     G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, S_B: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr, KEYPATH: tl.constexpr,
+    ACC: tl.constexpr, PREC: tl.constexpr,
 ):
     """The suffix pass of _suffix_bwd_kernel (same inputs and outputs) on tensor cores. Per token and head it
     is two small matrix products: gdot [G, S] = V [G, K] @ dout^T [K, S] and dv [G, K] += alpha [G, S] @
     dout [S, K]; a program runs them batched over its BLOCK_T tokens for S_B later sites per step (G_P and
     S_B >= 16, the products' smallest size). So a step loads S_B sites' dout at once instead of one, and the
     per-element work leaves the CUDA cores. The head's K columns are two power-of-two slices K_A + K_B
-    (K_B = 0: one slice) so that K = 160 is 128 + 32 wide, not padded to 256.
-    KEYPATH (for _column_fused_bwd_kernel): part_dv also gets the pairs' key path r_g * dl [G, S] @ w [S, K],
-    one [BLOCK_T * G_P, S_B] @ [S_B, K] product per step (w has no token axis), and c_part [G, H, P] their
-    RMSNorm coupling sum_s dl * logit."""
+    (K_B = 0: one slice) so that K = 160 is 128 + 32 wide, not padded to 256."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -591,10 +588,6 @@ def _suffix_dot_bwd_kernel(
         v_b = _mma_operand(tl.load(rows_ptr + g_off + tok_b, mask=mask_tg & mk_b, other=0.0), store_ty, ACC)
         dv_b = tl.zeros([BLOCK_T, G_P, K_B], ACC)
     pair_g = _pair_row(n_lo + offs_g, s_lo, N)  # [G_P]: pair (g, s_lo); pair (g, s) is s - s_lo rows on
-    if KEYPATH:
-        r_tg = tl.load(r_ptr + (n_lo + offs_g)[None, :].to(tl.int64) * P + offs_t[:, None],
-                       mask=mask_t[:, None] & mask_g[None, :], other=0.0)  # [BLOCK_T, G_P]
-        c_tg = tl.zeros([BLOCK_T, G_P], ACC)
     for s0 in range(s_lo, s_hi, S_B):
         s = s0 + offs_s
         ok_s = s < s_hi
@@ -613,41 +606,13 @@ def _suffix_dot_bwd_kernel(
         S = tl.load(S_ptr + ts, mask=mask_ts, other=0.0)
         z_off = ((pair_g[None, :, None] + (s - s_lo)[None, None, :]) * H + h) * P + offs_t[:, None, None]
         mask_z = mask_ts[:, None, :] & mask_g[None, :, None]
-        logit = tl.load(z_ptr + z_off, mask=mask_z, other=float("-inf"))
-        alpha = tl.exp(logit - lse[:, None, :])  # [T, G, S]
-        dl = alpha * (gdot - S[:, None, :])
-        tl.store(dl_ptr + z_off, dl, mask=mask_z)
-        if KEYPATH:
-            c_tg += tl.sum(dl * tl.where(mask_z, logit, 0.0), axis=2)  # dl is 0 where masked
+        alpha = tl.exp(tl.load(z_ptr + z_off, mask=mask_z, other=float("-inf")) - lse[:, None, :])  # [T, G, S]
+        tl.store(dl_ptr + z_off, alpha * (gdot - S[:, None, :]), mask=mask_z)
         dv_a = _mma_weights(alpha, dout_a, dv_a, store_ty, ACC, PREC)
         if K_B > 0:
             dv_b = _mma_weights(alpha, dout_b, dv_b, store_ty, ACC, PREC)
 
     part_off = offs_g[None, :, None].to(tl.int64) * row_stride
-    if KEYPATH:
-        # The key path in a second sweep over the sites, after the loop: the rows v are dead by then, so the
-        # w operand takes their registers (inside the loop it spilled). dl comes back from memory, just
-        # written by this program's threads: the barrier makes their stores visible to all of its warps.
-        tl.debug_barrier()
-        offs_ka = tl.arange(0, K_A)
-        for s0 in range(s_lo, s_hi, S_B):
-            s = s0 + offs_s
-            ok_s = s < s_hi
-            z_off = ((pair_g[None, :, None] + (s - s_lo)[None, None, :]) * H + h) * P + offs_t[:, None, None]
-            mask_z = (mask_t[:, None] & ok_s[None, :])[:, None, :] & mask_g[None, :, None]
-            rdl = tl.load(dl_ptr + z_off, mask=mask_z, other=0.0) * r_tg[:, :, None]  # [T, G, S]
-            w_rows = s[:, None].to(tl.int64) * D + h * K
-            w_a = tl.load(w_ptr + w_rows + offs_ka[None, :], mask=ok_s[:, None] & (offs_ka < K)[None, :], other=0.0)
-            dv_a = tl.dot(rdl, tl.broadcast_to(w_a.to(ACC)[None, :, :], (BLOCK_T, S_B, K_A)), dv_a,
-                          input_precision=PREC, out_dtype=ACC)
-            if K_B > 0:
-                offs_kb = K_A + tl.arange(0, K_B)
-                w_b = tl.load(w_ptr + w_rows + offs_kb[None, :], mask=ok_s[:, None] & (offs_kb < K)[None, :],
-                              other=0.0)
-                dv_b = tl.dot(rdl, tl.broadcast_to(w_b.to(ACC)[None, :, :], (BLOCK_T, S_B, K_B)), dv_b,
-                              input_precision=PREC, out_dtype=ACC)
-        tl.store(c_part_ptr + (offs_g[None, :] * H + h).to(tl.int64) * P + offs_t[:, None], c_tg,
-                 mask=mask_t[:, None] & mask_g[None, :])
     tl.store(part_dv_ptr + part_off + tok_a, dv_a, mask=mask_tg & mk_a)
     if K_B > 0:
         tl.store(part_dv_ptr + part_off + tok_b, dv_b, mask=mask_tg & mk_b)
@@ -765,151 +730,6 @@ def _keypath_kernel(rows_ptr, r_ptr, w_ptr, dl_ptr, dvp_ptr, c_ptr, dsrc_ptr, sr
         v = tl.load(rows_ptr + row_off + tile, mask=mask, other=0.0).to(ACC)
         dv = tl.load(dvp_ptr + tile, mask=mask, other=0.0) + r[:, None] * dkr - cr[:, None] * v
         tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _row_slice(offs_t, offs_h, mask_t, H, K, D, k0, KW: tl.constexpr):
-    """Columns [k0, k0 + KW) of every head: offsets and mask of a [BLOCK_T, H_P, KW] tile of a [P, D] row, and
-    of the [H_P, KW] tile of a [*, D] parameter row."""
-    offs_k = k0 + tl.arange(0, KW)
-    col = offs_h[:, None] * K + offs_k[None, :]
-    mask_hk = (offs_h[:, None] < H) & (offs_k[None, :] < K)
-    tok = offs_t[:, None, None].to(tl.int64) * D + col[None, :, :]
-    return tok, mask_t[:, None, None] & mask_hk[None, :, :], col, mask_hk
-
-
-@triton.jit
-def _fused_pair(z_ptr, dl_ptr, lse_ptr, pair, s, zt, th, mask_th, gdot, S, P, H, c):
-    """One in-group pair (site s, the column's source) on full rows: alpha from the saved logit, dl (stored
-    for dq/dg), the coupling c [BLOCK_T, H_P] updated; returns alpha, dl and c. S comes as a value: the
-    new site's S is stored by this program, and reading it back from memory would race between its warps."""
-    logit = tl.load(z_ptr + pair * H * P + zt, mask=mask_th, other=0.0)
-    alpha = tl.exp(logit - tl.load(lse_ptr + s * P * H + th, mask=mask_th, other=0.0))
-    dl = alpha * (gdot - S)
-    tl.store(dl_ptr + pair * H * P + zt, dl, mask=mask_th)
-    return alpha, dl, c + dl * logit
-
-
-@triton.jit
-def _keypath_loads(dl_ptr, z_ptr, w_ptr, pair, s, N, zt, mask_th, P, H, D, col_a, mhk_a, col_b, mhk_b,
-                   K_B: tl.constexpr):
-    """dl and logit [BLOCK_T, H_P] of one suffix pair (site s, zeros for s >= N) and site s's w slices."""
-    ok = s < N
-    zs = pair * H * P + zt
-    dl = tl.load(dl_ptr + zs, mask=mask_th & ok, other=0.0)
-    logit = tl.load(z_ptr + zs, mask=mask_th & ok, other=0.0)
-    w_a = tl.load(w_ptr + s * D + col_a, mask=mhk_a & ok, other=0.0).to(dl.dtype)
-    w_b = w_a
-    if K_B > 0:
-        w_b = tl.load(w_ptr + s * D + col_b, mask=mhk_b & ok, other=0.0).to(dl.dtype)
-    return dl, logit, w_a, w_b
-
-
-@triton.jit(do_not_specialize=["src", "g_end", "part_slot"])
-def _column_fused_bwd_kernel(
-    rows_ptr, r_ptr, w_ptr, lse_ptr, S_ptr, dout_buf_ptr, dout_new_ptr, out_new_ptr,
-    z_ptr, dl_ptr, part_dv_ptr, c_part_ptr, dsrc_ptr,
-    src, g_end, part_slot, N, P, D, H, K,
-    HAS_SUFFIX: tl.constexpr, SUFFIX_KEYPATH: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr,
-    K_A: tl.constexpr, K_B: tl.constexpr, ACC: tl.constexpr,
-):
-    """_column_bwd_kernel and _keypath_kernel in one pass over full rows (every head of BLOCK_T tokens): the
-    RMSNorm coupling is summed over heads in registers, so the fp32 value-path gradient never goes to memory
-    and the source row is read once. The key path of all pairs, r * sum_s dl_s w_s, is accumulated with CUDA-
-    core FMAs (one per element and pair) as the pairs pass. A head's columns are one or two power-of-two
-    slices K_A + K_B (K_B = 0: one), so that K = 160 is not padded to 256."""
-    pid = tl.program_id(0)
-    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h = tl.arange(0, H_P)
-    mask_t = offs_t < P
-    mask_th = mask_t[:, None] & (offs_h[None, :] < H)
-    th = offs_t[:, None].to(tl.int64) * H + offs_h[None, :]  # [N, P, H] tensors (lse, S)
-    zt = offs_h[None, :].to(tl.int64) * P + offs_t[:, None]  # [pairs, H, P] tensors (z, dl)
-    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
-    src_off = src * row_stride
-    tok_a, m_a, col_a, mhk_a = _row_slice(offs_t, offs_h, mask_t, H, K, D, 0, K_A)
-    if K_B > 0:
-        tok_b, m_b, col_b, mhk_b = _row_slice(offs_t, offs_h, mask_t, H, K, D, K_A, K_B)
-    r = tl.load(r_ptr + src * P + offs_t, mask=mask_t, other=0.0).to(ACC)
-
-    # the new site's dout: S = <dout, out> per head; dout and S go to the buffers for the later passes
-    dn_raw = tl.load(dout_new_ptr + tok_a, mask=m_a, other=0.0)
-    tl.store(dout_buf_ptr + src_off + tok_a, dn_raw, mask=m_a)
-    dn_a = dn_raw.to(ACC)
-    v_a = tl.load(rows_ptr + src_off + tok_a, mask=m_a, other=0.0).to(ACC)
-    S = tl.sum(dn_a * tl.load(out_new_ptr + tok_a, mask=m_a, other=0.0).to(ACC), axis=2)
-    gdot = tl.sum(dn_a * v_a, axis=2)
-    if K_B > 0:
-        dn_raw_b = tl.load(dout_new_ptr + tok_b, mask=m_b, other=0.0)
-        tl.store(dout_buf_ptr + src_off + tok_b, dn_raw_b, mask=m_b)
-        dn_b = dn_raw_b.to(ACC)
-        v_b = tl.load(rows_ptr + src_off + tok_b, mask=m_b, other=0.0).to(ACC)
-        S += tl.sum(dn_b * tl.load(out_new_ptr + tok_b, mask=m_b, other=0.0).to(ACC), axis=2)
-        gdot += tl.sum(dn_b * v_b, axis=2)
-    tl.store(S_ptr + src * P * H + th, S, mask=mask_th)
-
-    # the pair (src, src): value path alpha * dout and key path r * dl * w_src
-    pair0 = _pair_row(src, src, N)
-    c = tl.zeros([BLOCK_T, H_P], ACC)
-    alpha, dl, c = _fused_pair(z_ptr, dl_ptr, lse_ptr, pair0, src, zt, th, mask_th, gdot, S, P, H, c)
-    rdl = (r[:, None] * dl)[:, :, None]
-    w_off = src * D
-    dv_a = alpha[:, :, None] * dn_a + rdl * tl.load(w_ptr + w_off + col_a, mask=mhk_a, other=0.0).to(ACC)[None]
-    if K_B > 0:
-        dv_b = alpha[:, :, None] * dn_b + rdl * tl.load(w_ptr + w_off + col_b, mask=mhk_b, other=0.0).to(ACC)[None]
-    if HAS_SUFFIX:
-        # pairs s >= g_end: the suffix pass left their value path (part_dv) and dl; with SUFFIX_KEYPATH also
-        # their key path (in part_dv) and coupling (c_part), else the key path is added here pair by pair
-        part_off = part_slot * row_stride
-        dv_a += tl.load(part_dv_ptr + part_off + tok_a, mask=m_a, other=0.0).to(ACC)
-        if K_B > 0:
-            dv_b += tl.load(part_dv_ptr + part_off + tok_b, mask=m_b, other=0.0).to(ACC)
-        if SUFFIX_KEYPATH:
-            c += tl.load(c_part_ptr + part_slot * H * P + zt, mask=mask_th, other=0.0)
-        else:
-            # four sites per step, their loads issued together: a step waits for one memory round trip
-            # instead of four (pair by pair, this loop was bound by the latency of the dl gathers)
-            if K_B == 0:
-                col_b, mhk_b = col_a, mhk_a  # unused placeholders
-            for s0 in range(g_end, N, 4):
-                p0 = pair0 + s0 - src
-                dl0, z0, wa0, wb0 = _keypath_loads(dl_ptr, z_ptr, w_ptr, p0, s0, N, zt, mask_th, P, H, D,
-                                                   col_a, mhk_a, col_b, mhk_b, K_B)
-                dl1, z1, wa1, wb1 = _keypath_loads(dl_ptr, z_ptr, w_ptr, p0 + 1, s0 + 1, N, zt, mask_th, P, H, D,
-                                                   col_a, mhk_a, col_b, mhk_b, K_B)
-                dl2, z2, wa2, wb2 = _keypath_loads(dl_ptr, z_ptr, w_ptr, p0 + 2, s0 + 2, N, zt, mask_th, P, H, D,
-                                                   col_a, mhk_a, col_b, mhk_b, K_B)
-                dl3, z3, wa3, wb3 = _keypath_loads(dl_ptr, z_ptr, w_ptr, p0 + 3, s0 + 3, N, zt, mask_th, P, H, D,
-                                                   col_a, mhk_a, col_b, mhk_b, K_B)
-                c += dl0 * z0 + dl1 * z1 + dl2 * z2 + dl3 * z3
-                r0, r1 = (r[:, None] * dl0)[:, :, None], (r[:, None] * dl1)[:, :, None]
-                r2, r3 = (r[:, None] * dl2)[:, :, None], (r[:, None] * dl3)[:, :, None]
-                dv_a += r0 * wa0[None] + r1 * wa1[None] + r2 * wa2[None] + r3 * wa3[None]
-                if K_B > 0:
-                    dv_b += r0 * wb0[None] + r1 * wb1[None] + r2 * wb2[None] + r3 * wb3[None]
-    # in-group sites s in (src, g_end): their dout and S already sit in the buffers
-    for s in range(src + 1, g_end):
-        s_off = s * row_stride
-        d_a = tl.load(dout_buf_ptr + s_off + tok_a, mask=m_a, other=0.0).to(ACC)
-        gdot = tl.sum(d_a * v_a, axis=2)
-        if K_B > 0:
-            d_b = tl.load(dout_buf_ptr + s_off + tok_b, mask=m_b, other=0.0).to(ACC)
-            gdot += tl.sum(d_b * v_b, axis=2)
-        S_s = tl.load(S_ptr + s * P * H + th, mask=mask_th, other=0.0)
-        alpha, dl, c = _fused_pair(z_ptr, dl_ptr, lse_ptr, pair0 + s - src, s, zt, th, mask_th, gdot, S_s,
-                                   P, H, c)
-        rdl = (r[:, None] * dl)[:, :, None]
-        w_off = s * D
-        dv_a += alpha[:, :, None] * d_a + rdl * tl.load(w_ptr + w_off + col_a, mask=mhk_a, other=0.0).to(ACC)[None]
-        if K_B > 0:
-            dv_b += alpha[:, :, None] * d_b + rdl * tl.load(w_ptr + w_off + col_b, mask=mhk_b,
-                                                            other=0.0).to(ACC)[None]
-    # the RMSNorm backward through r: - r^2 / D * (sum over heads and pairs of dl * logit) * v
-    cr = (r * r * tl.sum(c, axis=1) / D)[:, None, None]
-    store_ty = dsrc_ptr.dtype.element_ty
-    tl.store(dsrc_ptr + tok_a, _to_storage(dv_a - cr * v_a, store_ty), mask=m_a)
-    if K_B > 0:
-        tl.store(dsrc_ptr + tok_b, _to_storage(dv_b - cr * v_b, store_ty), mask=m_b)
 
 
 @triton.jit

@@ -64,20 +64,12 @@ DEFAULT_SUFFIX_UNROLL = 0
 # _suffix_bwd_kernel) and a batched tensor-core one ("dot": _prefix_dot_fwd_kernel, _suffix_dot_bwd_kernel);
 # same outputs to fp32 rounding. Defaults by the H200 measurement of 2026-12-03 (routing.md, session 6): the
 # dot suffix is 1.6-3.9x faster, the dot prefix 1.4-2.4x slower (the chunk's sites padded to 16 rows).
-FUSED_COLUMN_TILE = 4096  # elements of one [tokens, H, K] tile of the fused column kernel (fixes its tokens)
-FUSED_COLUMN_WARPS = 4
 PASS_IMPLS = ("fma", "dot")
 DEFAULT_PREFIX_IMPL = "fma"
 DEFAULT_SUFFIX_IMPL = "dot"
 PREFIX_ROW_BLOCK = 16  # rows per step of the "dot" prefix (a tensor-core product's smallest size)
 SUFFIX_SITE_BLOCK = 16  # later sites per step of the "dot" suffix (likewise)
 COLUMN_SITE_BLOCK = 4  # in-group sites per step of the column kernel (their loads issued together)
-# The backward's per-source work: "split" is _column_bwd_kernel (one head per program; writes the fp32
-# value-path gradient and the coupling per head) followed by _keypath_kernel (tensor-core key path, coupling
-# summed over heads); "fused" is _column_fused_bwd_kernel, both in one pass over full rows (no fp32
-# round trip, one read of the source row, one launch instead of two).
-COLUMN_IMPLS = ("split", "fused")
-DEFAULT_COLUMN_IMPL = "split"
 
 class FullRouting:
     """State of chunked full-mode routing for one forward pass (see module docstring)."""
@@ -89,8 +81,7 @@ class FullRouting:
                  suffix_tokens: int = 0, suffix_warps: int = 0, suffix_impl: str = DEFAULT_SUFFIX_IMPL,
                  column_tokens: int = 0, column_warps: int = 0, prefix_impl: str = DEFAULT_PREFIX_IMPL,
                  prefix_tokens: int = 0, prefix_warps: int = 0, column_width: int = 0,
-                 keypath_tokens: int = 0, keypath_warps: int = 0, column_impl: str = DEFAULT_COLUMN_IMPL,
-                 suffix_keypath: bool = False) -> None:
+                 keypath_tokens: int = 0, keypath_warps: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -110,8 +101,6 @@ class FullRouting:
         for name, impl in (("prefix_impl", prefix_impl), ("suffix_impl", suffix_impl)):
             if impl not in PASS_IMPLS:
                 raise ValueError(f"{name} must be one of {PASS_IMPLS}, got {impl!r}")
-        if column_impl not in COLUMN_IMPLS:
-            raise ValueError(f"column_impl must be one of {COLUMN_IMPLS}, got {column_impl!r}")
         for name, tokens, warps in (("suffix", suffix_tokens, suffix_warps), ("column", column_tokens, column_warps),
                                     ("prefix", prefix_tokens, prefix_warps),
                                     ("keypath", keypath_tokens, keypath_warps)):
@@ -126,7 +115,7 @@ class FullRouting:
         self.prefix_unroll = prefix_unroll
         self.suffix_unroll = suffix_unroll or (4 if pow2(d // heads) <= 64 else 1)
         self.suffix_tokens, self.suffix_warps, self.suffix_impl = suffix_tokens, suffix_warps, suffix_impl
-        self.column_tokens, self.column_warps, self.column_impl = column_tokens, column_warps, column_impl
+        self.column_tokens, self.column_warps = column_tokens, column_warps
         self.prefix_impl, self.prefix_tokens, self.prefix_warps = prefix_impl, prefix_tokens, prefix_warps
         if 0 < keypath_tokens < 16:
             raise ValueError(f"keypath_tokens ({keypath_tokens}) must be >= 16: the key path is a tensor-core "
@@ -139,9 +128,6 @@ class FullRouting:
         self.k_b = 32 if self.k >= 32 else 16  # column slice of the tensor-core products
         self.k_split = dot_split(self.k)  # the "dot" passes' head columns: two power-of-two slices
         self.k_w = column_block(self.k, column_width)  # the forward passes' columns per program
-        self.k_fused = fused_split(self.k)  # the fused column kernel's head columns: two power-of-two slices
-        # with the fused column, the tensor-core suffix pass also takes its pairs' key path and coupling
-        self._suffix_keypath = bool(suffix_keypath) and column_impl == "fused" and suffix_impl == "dot"
         self.k_blocks = triton.cdiv(self.k, self.k_w)
         self.prec = "ieee" if self.acc_t == torch.float64 else "tf32x3"  # fp32-accurate tensor-core dots
         self.param_dtypes = (query_SD.dtype, norm_weight_SD.dtype)
@@ -308,18 +294,14 @@ class FullRouting:
     def _backward_buffers(self) -> dict:
         n, p, d, h = self.n_sites, self.p, self.shape[2], self.heads
         dev, acc_t = self.device, self.acc_t
-        buffers = {
+        return {
             "dout": torch.empty(n, p, d, dtype=self.dtype, device=dev),
             "S": torch.empty(n, p, h, dtype=acc_t, device=dev),
             "dl": torch.empty_like(self.z),  # softmax gradient of every pair, same layout as the logits
             "part_dv": torch.empty(self.group, p, d, dtype=acc_t, device=dev),
-            # the suffix pairs' RMSNorm coupling per source of the group and head (fused column, dot suffix)
-            "c_part": torch.empty(self.group, h, p, dtype=acc_t, device=dev) if self._suffix_keypath else None,
+            "dvp": torch.empty(p, d, dtype=acc_t, device=dev),
+            "c": torch.empty(h, p, dtype=acc_t, device=dev),  # RMSNorm coupling per head
         }
-        if self.column_impl == "split":  # what _column_bwd_kernel hands _keypath_kernel
-            buffers["dvp"] = torch.empty(p, d, dtype=acc_t, device=dev)
-            buffers["c"] = torch.empty(h, p, dtype=acc_t, device=dev)  # RMSNorm coupling per head
-        return buffers
 
     def _suffix(self, g0: int, g_end: int) -> None:
         """Value path and dl of all sites >= g_end against the sources [g0, g_end), one read of each."""
@@ -328,8 +310,6 @@ class FullRouting:
                 g0, g_end - g0, g_end, self.n_sites, self.n_sites, self.p, d, self.heads, self.k)
         grid = lambda block_t: (triton.cdiv(self.p, block_t), self.heads)  # noqa: E731
         if self.suffix_impl == "dot":
-            keypath = self._suffix_keypath
-            args = args[:7] + (self.r, self.w_SD, bw["c_part"] if keypath else bw["dl"]) + args[7:]
             g_p = dot_dim(self.group)
             # 4 tokens: the best CUDA-graph time at 350M and 1B on the H200 (2026-12-03, call 2; at 100M the
             # rule of 4096 tile elements gave 4 as well), and the pair-table accesses, contiguous over tokens,
@@ -337,7 +317,7 @@ class FullRouting:
             block_t = self.suffix_tokens or 4
             launch(kern._suffix_dot_bwd_kernel, grid(block_t), *args,
                 G_P=g_p, BLOCK_T=block_t, K_A=self.k_split[0], K_B=self.k_split[1], S_B=SUFFIX_SITE_BLOCK,
-                ACC=self.acc_tl, PREC=self.prec, KEYPATH=keypath,
+                ACC=self.acc_tl, PREC=self.prec,
                 num_warps=self.suffix_warps or 4, key=self._key,
             )
             return
@@ -355,8 +335,6 @@ class FullRouting:
     def _column(self, site: int, g0: int, g_end: int, out_BTD: Tensor, dout_BTD: Tensor) -> Tensor:
         """Finish source `site`: in-group pairs and value path, then the key path of all its pairs."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
-        if self.column_impl == "fused":
-            return self._column_fused(site, g0, g_end, out_BTD, dout_BTD)
         # the in-group sites' [tokens, J_B, K] tile takes J_B times the registers of a row's
         j_b = min(COLUMN_SITE_BLOCK, pow2(self.group))
         block_t = self.column_tokens or tile_tokens(j_b * self.k_p, self.tile)
@@ -373,22 +351,6 @@ class FullRouting:
             self.rows, self.r, self.w_SD, bw["dl"], bw["dvp"], bw["c"], dsrc_PD, site, n, p, d, self.heads, self.k,
             BLOCK_T=self.keypath_tokens, K_B=self.k_b, S_P=dot_dim(n - site), H_P=self.h_p, ACC=self.acc_tl,
             PREC=self.prec, num_warps=self.keypath_warps, key=self._key,
-        )
-        return dsrc_PD
-
-    def _column_fused(self, site: int, g0: int, g_end: int, out_BTD: Tensor, dout_BTD: Tensor) -> Tensor:
-        """_column's work as one full-row pass (COLUMN_IMPLS)."""
-        bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
-        k_a, k_b = self.k_fused
-        block_t = self.column_tokens or tile_tokens(self.h_p * (k_a + k_b), FUSED_COLUMN_TILE)
-        dout = dout_BTD.to(self.dtype).contiguous()
-        dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
-        launch(kern._column_fused_bwd_kernel, (triton.cdiv(p, block_t),),
-            self.rows, self.r, self.w_SD, self.lse, bw["S"], bw["dout"], dout, out_BTD,
-            self.z, bw["dl"], bw["part_dv"], bw["c_part"] if self._suffix_keypath else bw["dl"], dsrc_PD,
-            site, g_end, site - g0, n, p, d, self.heads, self.k,
-            HAS_SUFFIX=g_end < n, SUFFIX_KEYPATH=self._suffix_keypath, BLOCK_T=block_t, H_P=self.h_p, K_A=k_a, K_B=k_b, ACC=self.acc_tl,
-            num_warps=self.column_warps or FUSED_COLUMN_WARPS, key=(self._key, aligned(dout), aligned(out_BTD)),
         )
         return dsrc_PD
 
@@ -425,16 +387,6 @@ def column_block(k: int, width: int = 0) -> int:
         return k
     div = k & -k  # largest power of two dividing k
     return div if div >= 16 else pow2(k)
-
-
-def fused_split(k: int) -> tuple[int, int]:
-    """Head width k as at most two power-of-two slices (a, b), b = 0 for one, when that is narrower than one
-    padded slice: 160 -> (128, 32), 96 -> (64, 32), 12 -> (8, 4), 128 -> (128, 0), 7 -> (8, 0)."""
-    a = 1 << (k.bit_length() - 1)
-    if a == k:
-        return k, 0
-    b = pow2(k - a)
-    return (a, b) if a + b < pow2(k) else (pow2(k), 0)
 
 
 def dot_split(k: int) -> tuple[int, int]:

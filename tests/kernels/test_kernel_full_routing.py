@@ -19,7 +19,7 @@ from kernel_helpers import (fresh_generator, full_mode_loss, full_mode_output_an
 
 from mhar_lit.config import ModelConfig  # noqa: E402
 from mhar_lit.kernels import launch as fast_launch  # noqa: E402
-from mhar_lit.kernels.full_routing import COLUMN_IMPLS, PASS_IMPLS, FullRouting, fused_split  # noqa: E402
+from mhar_lit.kernels.full_routing import PASS_IMPLS, FullRouting  # noqa: E402
 from mhar_lit.models.decoder import DecoderLM  # noqa: E402
 from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes  # noqa: E402
 from mhar_lit.routing import route  # noqa: E402
@@ -40,15 +40,10 @@ def audit_launch_keys(monkeypatch):
 # measures the draw's conditioning more than the kernel (on seed 1555720104 the loss of the fp32 torch
 # reference is 5.6e-6 off while every output element is within 1.3e-7).
 NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
-# The prefix (forward) and suffix (backward) passes have CUDA-core ("fma") and tensor-core ("dot") versions,
-# the per-source backward a two-kernel ("split") and a one-pass ("fused") one, whose suffix key path the
-# "dot" suffix pass takes over (and which adds it itself after the "fma" one). The first two entries cover
-# every kernel and both fused-column paths, the mixed ones both column versions with the default passes.
-IMPLS = [dict(prefix_impl=p, suffix_impl=s, column_impl=c)
-         for p, s, c in (("fma", "fma", "fused"), ("dot", "dot", "split"), ("fma", "dot", "split"),
-                         ("fma", "dot", "fused"))]
+# The prefix (forward) and suffix (backward) passes have CUDA-core ("fma") and tensor-core ("dot") versions;
+# checking each pair of the same kind covers all four kernels, and a mixed pair the defaults' independence.
+IMPLS = [dict(prefix_impl=p, suffix_impl=s) for p, s in (("fma", "fma"), ("dot", "dot"), ("fma", "dot"))]
 assert {i["prefix_impl"] for i in IMPLS} == set(PASS_IMPLS) and {i["suffix_impl"] for i in IMPLS} == set(PASS_IMPLS)
-assert {i["column_impl"] for i in IMPLS} == set(COLUMN_IMPLS)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -157,26 +152,6 @@ def test_column_blocks_change_nothing():
             assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), f"{name}: {rel(a, x):.1e} (seed {gen.initial_seed()})"
 
 
-def test_fused_column_equals_split_column():
-    """The one-pass column kernel computes what the column + key-path kernels do, to fp32 reordering (its key
-    path sums the pairs one by one with FMAs where _keypath_kernel uses a tensor-core product), also with the
-    head split into two column slices (K = 12 as 8 + 4) and with several later groups (suffix pairs)."""
-    assert fused_split(12) == (8, 4) and fused_split(160) == (128, 32) and fused_split(64) == (64, 0)
-    gen = fresh_generator()
-    problem = full_mode_problem(11, 2, 3, 36, gen)  # H = 3, K = 12; groups of 3: suffix pairs for groups 0-2
-    exact = full_mode_output_and_grads("torch", *problem, 3, torch.float64)
-    ref32 = full_mode_output_and_grads("torch", *problem, 3, torch.float32)
-    split = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=4, group=3, column_impl="split")
-    # the suffix pairs' key path in the column kernel (after either suffix pass) or in the "dot" suffix pass
-    for suffix, keypath in (("fma", False), ("dot", False), ("dot", True)):
-        fused = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=4, group=3,
-                                           column_impl="fused", suffix_impl=suffix, suffix_keypath=keypath)
-        for name, a, b, x, r in zip(NAMES, fused, split, exact, ref32):
-            assert rel(a, b) <= max(1e-6, 2 * rel(r, x)), f"{suffix} {name}: fused vs split {rel(a, b):.1e}"
-            assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), (
-                f"{suffix} {name}: {rel(a, x):.1e} (seed {gen.initial_seed()})")
-
-
 @pytest.mark.parametrize("knobs,message", [
     (dict(prefix_unroll=3), "prefix_unroll must be one of"),
     (dict(suffix_unroll=3), "suffix_unroll must be one of"),
@@ -184,7 +159,6 @@ def test_fused_column_equals_split_column():
     (dict(suffix_warps=-1), "suffix_warps"),
     (dict(suffix_impl="wmma"), "suffix_impl must be one of"),
     (dict(prefix_impl="wmma"), "prefix_impl must be one of"),
-    (dict(column_impl="one"), "column_impl must be one of"),
     (dict(prefix_tokens=6), "prefix_tokens"),
     (dict(column_width=3), "column_width 3 must be a power of two dividing"),
     (dict(keypath_tokens=8), "keypath_tokens \\(8\\) must be >= 16"),
