@@ -1,9 +1,11 @@
-"""fp32 accuracy of the chunked full-mode routing at head width 96 (d 192, H 2, 7 sites), against float64,
-compared with PyTorch's own fp32 error on the same draws. CPU, Triton interpreter; minutes per 10 draws.
+"""fp32 accuracy of the chunked full-mode routing (or, with --mode block, of BlockRouting, 2 sites per
+block) at head width 96 (d 192, H 2, 7 sites), against float64, compared with PyTorch's own fp32 error on the
+same draws. CPU, Triton interpreter; minutes per 10 draws in full mode, seconds in block mode.
 
-    TRITON_INTERPRET=1 python benchmarks/precision_wide_head.py [--draws 30] [--impl fma|dot]
+    TRITON_INTERPRET=1 python benchmarks/precision_wide_head.py [--draws 30] [--mode full|block]
+                                                                [--impl fma|dot|accumulate|block_pass]
 
-The stack is the kernel tests' (tests/kernels/kernel_helpers.full_mode_loss: S_{s+1} = tanh(x_s @ M_s)).
+The stacks are the kernel tests' (tests/kernels/kernel_helpers: S_{s+1} = tanh(x_s @ M_s)).
 Per draw: relative error of the final output and of the three gradients for (1) the Triton path, (2) torch
 fp32, (3) torch fp32 on the same function with the features permuted inside each head (another rounding
 order of the same algorithm: how far two fp32 evaluations of this chain differ by rounding alone). Prints
@@ -24,46 +26,52 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
 
 import torch  # noqa: E402
-from kernel_helpers import full_mode_output_and_grads, full_mode_problem, rel  # noqa: E402
+from kernel_helpers import (block_mode_output_and_grads, block_mode_problem, full_mode_output_and_grads,  # noqa: E402
+                            full_mode_problem, permuted_within_heads, rel)
 
 NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
 SITES, D, HEADS = 7, 192, 2
 
 
-def evaluate(kind, problem, dtype, impl="fma"):
-    return full_mode_output_and_grads(kind, *problem, HEADS, dtype, chunk=3, group=2, prefix_impl=impl,
-                                      suffix_impl=impl)
+IMPLS = {"full": ("fma", "dot"), "block": ("accumulate", "block_pass")}
 
 
-def permuted(problem, gen):
-    """The same function with the features permuted inside each head, and a map back."""
-    emb, q, g, mats, dout = problem
-    k = D // HEADS
-    perm = torch.cat([h * k + torch.randperm(k, generator=gen) for h in range(HEADS)])
-    inv = torch.argsort(perm)
-    moved = (emb[..., perm], q[:, perm], g[:, perm], [m[perm][:, perm] for m in mats], dout[..., perm])
-    return moved, lambda r: (r[0][..., inv], r[1][..., inv], r[2][:, inv], r[3][:, inv])
+def make_problem(mode, gen):
+    return full_mode_problem(SITES, 2, 3, D, gen) if mode == "full" else block_mode_problem(SITES // 2, D, gen)
+
+
+def evaluate(mode, kind, problem, dtype, impl=None):
+    if mode == "block":
+        knobs = {} if kind == "torch" else dict(backward=impl)
+        return block_mode_output_and_grads(kind, *problem, HEADS, 2, dtype, **knobs)
+    knobs = {} if kind == "torch" else dict(prefix_impl=impl, suffix_impl=impl)
+    return full_mode_output_and_grads(kind, *problem, HEADS, dtype, chunk=3, group=2, **knobs)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=30)
     parser.add_argument("--seed", type=int, default=100, help="first draw's seed")
-    parser.add_argument("--impl", default="fma", choices=["fma", "dot"], help="prefix/suffix pass version")
+    parser.add_argument("--mode", default="full", choices=sorted(IMPLS))
+    parser.add_argument("--impl", default=None, choices=[i for v in IMPLS.values() for i in v],
+                        help="full mode: prefix/suffix pass version (fma); block mode: backward (accumulate)")
     args = parser.parse_args()
+    args.impl = args.impl or IMPLS[args.mode][0]
+    if args.impl not in IMPLS[args.mode]:
+        parser.error(f"--impl {args.impl} is not a {args.mode}-mode version {IMPLS[args.mode]}")
     rows = []
     for seed in range(args.seed, args.seed + args.draws):
         gen = torch.Generator().manual_seed(seed)
-        problem = full_mode_problem(SITES, 2, 3, D, gen)
-        exact = evaluate("torch", problem, torch.float64)
-        ref32 = evaluate("torch", problem, torch.float32)
-        moved, back = permuted(problem, gen)
-        perm32 = back(evaluate("torch", moved, torch.float32))
-        tri32 = evaluate("triton", problem, torch.float32, args.impl)
+        problem = make_problem(args.mode, gen)
+        exact = evaluate(args.mode, "torch", problem, torch.float64)
+        ref32 = evaluate(args.mode, "torch", problem, torch.float32)
+        moved, back = permuted_within_heads(problem, HEADS, gen)
+        perm32 = back(evaluate(args.mode, "torch", moved, torch.float32))
+        tri32 = evaluate(args.mode, "triton", problem, torch.float32, args.impl)
         rows.append([(rel(t, x), rel(r, x), rel(p, x)) for t, r, p, x in zip(tri32, ref32, perm32, exact)])
         print(f"seed {seed}: " + "  ".join(f"{n} {t:.1e}/{r:.1e}/{p:.1e}" for n, (t, r, p) in zip(NAMES, rows[-1])),
               flush=True)
-    print(f"\n{args.draws} draws, impl {args.impl}: RMS of the relative errors (triton / torch fp32 / torch fp32 "
+    print(f"\n{args.draws} draws, {args.mode} mode, impl {args.impl}: RMS of the relative errors (triton / torch fp32 / torch fp32 "
           "permuted) and the share of draws above max(1e-5, 2x torch fp32's error)")
     for i, name in enumerate(NAMES):
         rms = [statistics.fmean(r[i][k] ** 2 for r in rows) ** 0.5 for k in range(3)]

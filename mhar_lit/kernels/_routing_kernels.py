@@ -147,7 +147,8 @@ def _logits_kernel(rows_ptr, r_ptr, w_ptr, z_ptr, src, N, P, D, H, K,
                    PREC: tl.constexpr):
     """Logits of source `src` against every site s >= src, one head: z[(src, s), h, t] = <kr_[h], w_s,[h]>
     with kr = round_storage(v r), as a tensor-core product [BLOCK_T, K] @ [K, S] in K_B-wide slices
-    (PREC "tf32x3": fp32-accurate; "ieee" for fp64)."""
+    (PREC "tf32x3": fp32-accurate; "ieee" for fp64; with bf16 storage kr is an exact bf16 operand and w
+    two bf16 terms hi + lo, relative error ~2^-17)."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -164,10 +165,13 @@ def _logits_kernel(rows_ptr, r_ptr, w_ptr, z_ptr, src, N, P, D, H, K,
         col = h * K + k0 + offs_b
         v = tl.load(rows_ptr + row_off + offs_t[:, None].to(tl.int64) * D + col[None, :],
                     mask=mask_t[:, None] & mask_b[None, :], other=0.0).to(ACC)
-        kr = _to_storage(v * r[:, None], store_ty).to(ACC)
+        kr = _mma_operand(_to_storage(v * r[:, None], store_ty), store_ty, ACC)  # exact in the storage dtype
         w = tl.load(w_ptr + (src + offs_s)[None, :] * D + col[:, None],
-                    mask=mask_b[:, None] & mask_s[None, :], other=0.0).to(ACC)  # [K_B, S_P]
-        z += tl.dot(kr, w, input_precision=PREC, out_dtype=ACC)
+                    mask=mask_b[:, None] & mask_s[None, :], other=0.0)  # [K_B, S_P]
+        w_hi, w_lo = _bf16_split(w, store_ty, ACC)
+        z = _mma(kr, w_hi, z, store_ty, ACC, PREC)
+        if store_ty == tl.bfloat16:  # kr is exact in bf16: two products carry w to ~2^-17
+            z = _mma(kr, w_lo, z, store_ty, ACC, PREC)
     pair = _pair_row(src, src + offs_s, N)
     tl.store(z_ptr + (pair[None, :] * H + h) * P + offs_t[:, None], z, mask=mask_t[:, None] & mask_s[None, :])
 
@@ -696,13 +700,41 @@ def _column_bwd_kernel(
     tl.store(c_ptr + zt, c, mask=mask_t)
 
 
+@triton.jit
+def _bf16_split(x, store_ty: tl.constexpr, ACC: tl.constexpr):
+    """fp32 x as tensor-core operands: (hi, lo) bf16 terms for bf16 storage (x - hi - lo ~ 2^-17 |x|), else
+    (x in ACC, unused)."""
+    if store_ty == tl.bfloat16:
+        hi = _to_storage(x, tl.bfloat16)
+        lo = _to_storage(x - hi.to(tl.float32), tl.bfloat16)
+        hi, lo = _mma_operand(hi, store_ty, ACC), _mma_operand(lo, store_ty, ACC)
+    else:
+        hi = x.to(ACC)
+        lo = hi
+    return hi, lo
+
+
+@triton.jit
+def _mma_split(a_hi, a_lo, b_hi, b_lo, acc, store_ty: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+    """acc + a @ b for two fp32 operands split by _bf16_split: with bf16 storage three bf16 products
+    hi.hi + hi.lo + lo.hi (relative error ~2^-16 against the result's bf16 rounding of 2^-9; the operands are
+    split once per kernel, where tf32x3 splits them again in every product), else one PREC product."""
+    if store_ty == tl.bfloat16:
+        out = _mma(a_hi, b_hi, acc, store_ty, ACC, PREC)
+        out = _mma(a_hi, b_lo, out, store_ty, ACC, PREC)
+        out = _mma(a_lo, b_hi, out, store_ty, ACC, PREC)
+    else:
+        out = _mma(a_hi, b_hi, acc, store_ty, ACC, PREC)
+    return out
+
+
 @triton.jit(do_not_specialize=["src"])
 def _keypath_kernel(rows_ptr, r_ptr, w_ptr, dl_ptr, dvp_ptr, c_ptr, dsrc_ptr, src, N, P, D, H, K,
                     BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, H_P: tl.constexpr,
                     ACC: tl.constexpr, PREC: tl.constexpr):
     """Source `src`'s gradient, one head: the key path of all its pairs through the RMSNorm,
     dsrc = dvp + r * (dl @ w) - r^2/D * c * v, with dl [BLOCK_T, sites >= src] @ w [sites, K] a
-    tensor-core product (PREC as in _logits_kernel), in K_B-wide slices."""
+    tensor-core product (_mma_split), in K_B-wide slices."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -719,12 +751,15 @@ def _keypath_kernel(rows_ptr, r_ptr, w_ptr, dl_ptr, dvp_ptr, c_ptr, dsrc_ptr, sr
                        mask=mask_t[:, None] & (offs_h[None, :] < H), other=0.0), axis=1)  # over heads
     cr = r * r * c / D
     row_off = (tl.full([], 0, tl.int64) + src) * P * D
+    store_ty = rows_ptr.dtype.element_ty
+    dl_hi, dl_lo = _bf16_split(dl, store_ty, ACC)
     for k0 in range(0, K, K_B):
         mask_b = k0 + offs_b < K
         col = h * K + k0 + offs_b
         w = tl.load(w_ptr + (src + offs_s)[:, None] * D + col[None, :],
-                    mask=mask_s[:, None] & mask_b[None, :], other=0.0).to(ACC)  # [S_P, K_B]
-        dkr = tl.dot(dl, w, input_precision=PREC, out_dtype=ACC)
+                    mask=mask_s[:, None] & mask_b[None, :], other=0.0)  # [S_P, K_B]
+        w_hi, w_lo = _bf16_split(w, store_ty, ACC)
+        dkr = _mma_split(dl_hi, dl_lo, w_hi, w_lo, tl.zeros([BLOCK_T, K_B], ACC), store_ty, ACC, PREC)
         tile = offs_t[:, None].to(tl.int64) * D + col[None, :]
         mask = mask_t[:, None] & mask_b[None, :]
         v = tl.load(rows_ptr + row_off + tile, mask=mask, other=0.0).to(ACC)
@@ -761,7 +796,7 @@ def _query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, P, D, H, K,
                      mask=mask_s[:, None] & mask_t[None, :], other=0.0)  # [S_P, BLOCK_T]
         r = tl.load(r_ptr + j * P + offs_t, mask=mask_t, other=0.0).to(ACC)
         v = tl.load(rows_ptr + j * row_stride + tile, mask=mask, other=0.0).to(ACC)
-        kr = _to_storage(v * r[:, None], store_ty).to(ACC)
-        a += tl.dot(dl, kr, input_precision=PREC, out_dtype=ACC)
+        kr = _mma_operand(_to_storage(v * r[:, None], store_ty), store_ty, ACC)  # exact in the storage dtype
+        a = _mma_weights(dl, kr, a, store_ty, ACC, PREC)
     tl.store(a_ptr + (pid_t * N + offs_s[:, None]).to(tl.int64) * D + col[None, :], a,
              mask=(offs_s[:, None] < N) & mask_b[None, :])

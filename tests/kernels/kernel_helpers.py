@@ -1,4 +1,5 @@
-"""Shared helpers of the kernel tests: fresh random cases, relative errors, a reference full-mode loop."""
+"""Shared helpers of the kernel tests (and benchmarks/precision_wide_head.py): fresh random cases, relative
+errors, reference full-mode and block-mode stacks."""
 
 import torch
 
@@ -101,3 +102,70 @@ def query_grad_rounding_scale(sources, query, norm_weight, heads, dout, eps=1e-6
     a = (dl.unsqueeze(-1) * split(kr)).sum((0, 1, 2)).flatten()
     a_abs = (p * (dv_abs + dout_abs)).unsqueeze(-1).mul(split(kr).abs()).sum((0, 1, 2)).flatten()
     return (a_abs.norm() / a.norm().clamp_min(1e-300)).item()
+
+
+def block_mode_problem(layers, d, gen, b=2, t=3):
+    """A float64 block-mode case of `layers` layers: the full-mode case of its 2L+1 sites."""
+    return full_mode_problem(2 * layers + 1, b, t, d, gen)
+
+
+def torch_block_sites(e, qq, gg, heads, span):
+    """The reference: BlockAttnRes's bookkeeping (completed block sums + partial) with stacked torch routing;
+    site_fn(s, y_prev) -> x_s."""
+    n = qq.shape[0]
+    state = {"blocks": [e], "partial": None}
+
+    def site_fn(s, y_prev):
+        if s > 0:
+            state["partial"] = y_prev if state["partial"] is None else state["partial"] + y_prev
+        if 0 < s < n - 1 and s % span == 0:
+            state["blocks"].append(state["partial"])
+            state["partial"] = None
+        sources = state["blocks"] + ([state["partial"]] if state["partial"] is not None else [])
+        return route(torch.stack(sources), qq[s], gg[s], heads)
+
+    return site_fn
+
+
+def block_stack_loss(site_fn, e, mats, dout, outputs=None):
+    """y_s = tanh(x_s @ M_s) feeds site s+1; the loss touches every y and the final output through dout."""
+    n = len(mats)
+    ys, new = [], e
+    for s in range(n):
+        x = site_fn(s, new)
+        if s < n - 1:
+            new = torch.tanh(x @ mats[s])
+            ys.append(new)
+    if outputs is not None:
+        outputs.append(x.detach())
+    return (x.double() * dout).sum() + 0.01 * sum((y.double() ** 2).sum() for y in ys)
+
+
+def block_mode_output_and_grads(kind, emb, q, g, mats, dout, heads, span, dtype, **knobs):
+    """(final output, d_embedding, d_query, d_norm_weight) of the block-mode stack (span sites per block) in
+    `dtype`; kind "torch" routes with the reference, anything else with BlockRouting (knobs go to it)."""
+    e, qq, gg = leaf(emb.to(dtype), q.to(dtype), g.to(dtype))
+    mats = [m.to(dtype) for m in mats]
+    if kind == "torch":
+        site_fn = torch_block_sites(e, qq, gg, heads, span)
+    else:
+        from mhar_lit.kernels.block_routing import BlockRouting  # needs triton; the helpers do not
+
+        routing = BlockRouting(e, qq, gg, heads, span, **knobs)
+        site_fn = lambda s, new: routing.route(s, new, *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
+    outputs = []
+    loss = block_stack_loss(site_fn, e, mats, dout, outputs)
+    return (outputs[0], *torch.autograd.grad(loss, (e, qq, gg)))
+
+
+def permuted_within_heads(problem, heads, gen):
+    """A full- or block-mode case (emb, q, g, mats, dout) with the features permuted inside each head: the same
+    function, whose fp32 evaluation rounds in another order; returns it and the map of its (output, d_emb, dq,
+    dg) back to the original feature order."""
+    emb, q, g, mats, dout = problem
+    d = emb.shape[-1]
+    k = d // heads
+    perm = torch.cat([h * k + torch.randperm(k, generator=gen) for h in range(heads)])
+    inv = torch.argsort(perm)
+    moved = (emb[..., perm], q[:, perm], g[:, perm], [m[perm][:, perm] for m in mats], dout[..., perm])
+    return moved, lambda r: (r[0][..., inv], r[1][..., inv], r[2][:, inv], r[3][:, inv])

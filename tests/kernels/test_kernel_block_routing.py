@@ -12,11 +12,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_helpers import fresh_generator, leaf, rel  # noqa: E402
+from kernel_helpers import (block_mode_output_and_grads, block_mode_problem, block_stack_loss,  # noqa: E402
+                            fresh_generator, leaf, permuted_within_heads, rel)
 
 from mhar_lit.kernels import launch as fast_launch  # noqa: E402
 from mhar_lit.kernels.block_routing import A_SLOTS, BACKWARDS, BlockRouting  # noqa: E402
-from mhar_lit.routing import route  # noqa: E402
 
 NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
 
@@ -29,61 +29,6 @@ def audit_launch_keys(monkeypatch):
     fast_launch.clear_cache()
 
 
-def _problem(layers, d, gen, b=2, t=3):
-    n = 2 * layers + 1
-    emb = torch.randn(b, t, d, generator=gen, dtype=torch.float64) * 2
-    q = torch.randn(n, d, generator=gen, dtype=torch.float64)
-    g = 1 + 0.3 * torch.randn(n, d, generator=gen, dtype=torch.float64)
-    mats = [torch.randn(d, d, generator=gen, dtype=torch.float64) / d**0.5 for _ in range(n)]
-    dout = torch.randn(b, t, d, generator=gen, dtype=torch.float64)
-    return emb, q, g, mats, dout
-
-
-def _torch_block_sites(e, qq, gg, heads, span):
-    """The reference: BlockAttnRes's bookkeeping (completed block sums + partial) with stacked torch routing;
-    site_fn(s, y_prev) -> x_s."""
-    n = qq.shape[0]
-    state = {"blocks": [e], "partial": None}
-
-    def site_fn(s, y_prev):
-        if s > 0:
-            state["partial"] = y_prev if state["partial"] is None else state["partial"] + y_prev
-        if 0 < s < n - 1 and s % span == 0:
-            state["blocks"].append(state["partial"])
-            state["partial"] = None
-        sources = state["blocks"] + ([state["partial"]] if state["partial"] is not None else [])
-        return route(torch.stack(sources), qq[s], gg[s], heads)
-
-    return site_fn
-
-
-def _block_stack_loss(site_fn, e, mats, dout, outputs=None):
-    """y_s = tanh(x_s @ M_s) feeds site s+1; the loss touches every y and the final output through dout."""
-    n = len(mats)
-    ys, new = [], e
-    for s in range(n):
-        x = site_fn(s, new)
-        if s < n - 1:
-            new = torch.tanh(x @ mats[s])
-            ys.append(new)
-    if outputs is not None:
-        outputs.append(x.detach())
-    return (x.double() * dout).sum() + 0.01 * sum((y.double() ** 2).sum() for y in ys)
-
-
-def _output_and_grads(kind, emb, q, g, mats, dout, heads, span, dtype, **knobs):
-    e, qq, gg = leaf(emb.to(dtype), q.to(dtype), g.to(dtype))
-    mats = [m.to(dtype) for m in mats]
-    if kind == "torch":
-        site_fn = _torch_block_sites(e, qq, gg, heads, span)
-    else:
-        routing = BlockRouting(e, qq, gg, heads, span, **knobs)
-        site_fn = lambda s, new: routing.route(s, new, *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
-    outputs = []
-    loss = _block_stack_loss(site_fn, e, mats, dout, outputs)
-    return (outputs[0], *torch.autograd.grad(loss, (e, qq, gg)))
-
-
 @pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("layers,span,heads,d", [
     (2, 2, 2, 8),     # one layer per block
@@ -91,27 +36,59 @@ def _output_and_grads(kind, emb, q, g, mats, dout, heads, span, dtype, **knobs):
     (4, 4, 4, 20),    # two layers per block, K = 5
     (2, 4, 1, 8),     # one block, single head: the final site routes over the embedding and the partial
     (6, 4, 2, 16),    # 13 sites: the dq/dg partials are reduced in two rounds of A_SLOTS
-    (3, 2, 2, 192),   # K = 96, where the full-mode paths miss 1e-5 on some draws (docs/LOG.md); block does not
 ])
 
 def test_fp32_matches_float64_reference(layers, span, heads, d, backward):
     assert 2 * 6 + 1 > A_SLOTS  # the last case spans more than one reduction round
     gen = fresh_generator()
-    problem = _problem(layers, d, gen)
-    exact = _output_and_grads("torch", *problem, heads, span, torch.float64)
-    ref32 = _output_and_grads("torch", *problem, heads, span, torch.float32)
-    got = _output_and_grads("triton", *problem, heads, span, torch.float32, backward=backward)
+    problem = block_mode_problem(layers, d, gen)
+    exact = block_mode_output_and_grads("torch", *problem, heads, span, torch.float64)
+    ref32 = block_mode_output_and_grads("torch", *problem, heads, span, torch.float32)
+    got = block_mode_output_and_grads("triton", *problem, heads, span, torch.float32, backward=backward)
     for name, a, x, r in zip(NAMES, got, exact, ref32):
         assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), (
             f"{name}: {rel(a, x):.2e}, fp32 reference {rel(r, x):.2e} (seed {gen.initial_seed()})")
 
 
+WIDE_DRAWS = 12
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_wide_head_fp32_error_is_torch_fp32_sized(backward):
+    """K = 96 (d 192, H 2, 7 sites) is an ill-conditioned chain: every fp32 evaluation is ~5e-6 off float64,
+    and which one is luckier changes per draw by more than 2x. Over 30 draws torch fp32 with the features
+    permuted inside each head (the same algorithm, another rounding order) fails the other cases' per-draw
+    criterion, max(1e-5, 2x torch fp32's error), on 10-13% of draws, and this path on 3% (a CI failure on
+    2026-12-04; benchmarks/results/precision_wide_head_block_2026-12-04_*.txt). So this case is held to the
+    RMS over WIDE_DRAWS fresh draws: at most 2x the larger of the two torch evaluations' RMS (30 draws: 0.5-
+    0.8x; bootstrapped 99.9th percentile of the 12-draw ratio 1.9), and each draw within 10x of max(1e-5,
+    either torch error) as a guard against gross errors (the largest seen: 2.8x)."""
+    gen = fresh_generator()
+    sq = torch.zeros(3, len(NAMES), dtype=torch.float64)  # squared errors: triton, torch, permuted torch
+    for _ in range(WIDE_DRAWS):
+        problem = block_mode_problem(3, 192, gen)
+        exact = block_mode_output_and_grads("torch", *problem, 2, 2, torch.float64)
+        ref32 = block_mode_output_and_grads("torch", *problem, 2, 2, torch.float32)
+        moved, back = permuted_within_heads(problem, 2, gen)
+        perm32 = back(block_mode_output_and_grads("torch", *moved, 2, 2, torch.float32))
+        got = block_mode_output_and_grads("triton", *problem, 2, 2, torch.float32, backward=backward)
+        for i, (name, a, r, p, x) in enumerate(zip(NAMES, got, ref32, perm32, exact)):
+            errs = torch.tensor([rel(a, x), rel(r, x), rel(p, x)], dtype=torch.float64)
+            assert errs[0] <= 10 * max(1e-5, errs[1], errs[2]), f"{name}: {errs.tolist()} (seed {gen.initial_seed()})"
+            sq[:, i] += errs**2
+    rms = (sq / WIDE_DRAWS).sqrt()
+    for i, name in enumerate(NAMES):
+        assert rms[0, i] <= 2 * max(rms[1, i], rms[2, i]), (
+            f"{name}: RMS {rms[0, i]:.2e} vs torch {rms[1, i]:.2e} / permuted {rms[2, i]:.2e} "
+            f"(seed {gen.initial_seed()})")
+
+
 @pytest.mark.parametrize("backward", BACKWARDS)
 def test_float64_equals_reference_and_gradcheck(backward):
     gen = fresh_generator()
-    problem = _problem(3, 6, gen, b=1, t=2)
-    exact = _output_and_grads("torch", *problem, 2, 2, torch.float64)
-    got = _output_and_grads("triton", *problem, 2, 2, torch.float64, backward=backward)
+    problem = block_mode_problem(3, 6, gen, b=1, t=2)
+    exact = block_mode_output_and_grads("torch", *problem, 2, 2, torch.float64)
+    got = block_mode_output_and_grads("triton", *problem, 2, 2, torch.float64, backward=backward)
     for name, a, x in zip(NAMES, got, exact):
         assert rel(a, x) <= 1e-12, f"{name}: {rel(a, x):.1e} (seed {gen.initial_seed()})"
     emb, q, g, mats, dout = problem
@@ -119,7 +96,7 @@ def test_float64_equals_reference_and_gradcheck(backward):
     def fn(e, qq, gg):
         routing = BlockRouting(e, qq, gg, 2, span=2, backward=backward)
         site_fn = lambda s, new: routing.route(s, new, *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
-        return _block_stack_loss(site_fn, e, mats, dout)
+        return block_stack_loss(site_fn, e, mats, dout)
 
     assert torch.autograd.gradcheck(fn, tuple(leaf(emb, q, g)), eps=1e-6, atol=1e-6, rtol=1e-5)
 
@@ -127,10 +104,10 @@ def test_float64_equals_reference_and_gradcheck(backward):
 @pytest.mark.parametrize("backward", BACKWARDS)
 def test_bf16_within_reference_rounding_error(backward):
     gen = fresh_generator()
-    problem = _problem(4, 32, gen, b=2, t=4)
-    exact = _output_and_grads("torch", *problem, 4, 4, torch.float64)
-    ref = _output_and_grads("torch", *problem, 4, 4, torch.bfloat16)
-    got = _output_and_grads("triton", *problem, 4, 4, torch.bfloat16, backward=backward)
+    problem = block_mode_problem(4, 32, gen, b=2, t=4)
+    exact = block_mode_output_and_grads("torch", *problem, 4, 4, torch.float64)
+    ref = block_mode_output_and_grads("torch", *problem, 4, 4, torch.bfloat16)
+    got = block_mode_output_and_grads("triton", *problem, 4, 4, torch.bfloat16, backward=backward)
     for name, a, r, x in zip(NAMES, got, ref, exact):
         assert rel(a, x) <= 2 * rel(r, x) + 1e-3, f"{name}: {rel(a, x):.2e} vs {rel(r, x):.2e}"
 
@@ -139,14 +116,14 @@ def test_tiling_and_repeats_change_nothing():
     """Token tiles regroup independent tokens (the dq/dg partials' order aside): equal to fp32 rounding;
     repeated runs are bitwise identical."""
     gen = fresh_generator()
-    problem = _problem(4, 12, gen, b=3, t=5)
-    base = _output_and_grads("triton", *problem, 3, 4, torch.float32)
-    again = _output_and_grads("triton", *problem, 3, 4, torch.float32)
+    problem = block_mode_problem(4, 12, gen, b=3, t=5)
+    base = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32)
+    again = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(base, again))
     for tile, warps, unroll, backward in ((16, 1, 1, "accumulate"), (64, 2, 2, "block_pass"),
                                           (4096, 4, 2, "accumulate"), (4096, 0, 1, "block_pass")):
         # 1, 4 and all 15 tokens per program; both backward versions (equal to fp32 summation order)
-        got = _output_and_grads("triton", *problem, 3, 4, torch.float32, tile_elements=tile, num_warps=warps,
+        got = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32, tile_elements=tile, num_warps=warps,
                                 unroll=unroll, backward=backward)
         for name, a, b in zip(NAMES, got, base):
             assert rel(a, b) <= 1e-6, (
@@ -158,11 +135,11 @@ def test_second_backward_of_a_retained_graph_and_state_release():
     import weakref
 
     gen = fresh_generator()
-    emb, q, g, mats, dout = _problem(2, 8, gen)
+    emb, q, g, mats, dout = block_mode_problem(2, 8, gen)
     e, qq, gg = leaf(emb.float(), q.float(), g.float())
     routing = BlockRouting(e, qq, gg, 2, span=2)
     site_fn = lambda s, new: routing.route(s, new, *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
-    loss = _block_stack_loss(site_fn, e, [m.float() for m in mats], dout)
+    loss = block_stack_loss(site_fn, e, [m.float() for m in mats], dout)
     assert routing.sources_view(3).shape == (3, *emb.shape)  # block rows 0, 2 and site 3's partial
     state = [weakref.ref(t) for t in routing.saved_state()]
     first = torch.autograd.grad(loss, (e, qq, gg), retain_graph=True)
@@ -201,7 +178,7 @@ def test_order_and_input_errors_are_named():
 
 def test_unused_final_output_raises():
     gen = fresh_generator()
-    emb, q, g, _, _ = _problem(1, 8, gen)
+    emb, q, g, _, _ = block_mode_problem(1, 8, gen)
     e, qq, gg = leaf(emb.float(), q.float(), g.float())
     routing = BlockRouting(e, qq, gg, 2, span=2)
     x0 = routing.route(0, e, qq, gg)
