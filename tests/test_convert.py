@@ -1,7 +1,6 @@
 """HF checkpoint conversion: exact identity of delta conversion, parity with transformers, clear errors."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
