@@ -8,6 +8,9 @@ coupling S = <dout, out> per head, and write each source's finished gradient onc
 buffer); dq and dg come from per-program partials summed on the host (deterministic, no atomics).
 Saved for backward: the sources, the output, r [N, P] and lse [P, H] (fp32), nothing of size N x D beyond
 the sources themselves.
+Both entries are torch.library custom ops (mhar_lit::route, mhar_lit::route_list, mhar_lit::route_backward)
+with fake implementations, so torch.compile traces each call as one op (fullgraph works) and AOT autograd
+sees its backward as another.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from mhar_lit.kernels import _routing_kernels as kern
 from mhar_lit.kernels.launch import launch
@@ -105,61 +107,111 @@ def _launch_backward(rows_NPD: Tensor, r_NP: Tensor, w_1D: Tensor, lse_PH: Tenso
     return dsrc_NPD, a_part.sum(0)
 
 
-def _forward(ctx, rows_NPD: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float):
-    """Forward of both autograd entries: (out_PD, r_NP, lse_PH, q, g); keeps heads and parameter dtypes on ctx."""
+# The per-call routing as torch.library custom ops, so torch.compile sees one opaque op per call (with fake
+# implementations for tracing) instead of breaking the graph at the kernel launches; autograd through
+# register_autograd. route / route_list return (out [B, T, D], r [N, P], lse [P, H]); r and lse are what the
+# backward needs besides the sources (they are outputs because a custom op cannot keep state of its own).
+def _route_impl(rows_NPD: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float):
+    check_device(rows_NPD, query, norm_weight)
+    acc_t, _ = accumulator(rows_NPD.dtype)
+    w = (query.detach().to(acc_t) * norm_weight.detach().to(acc_t)).view(1, -1).contiguous()
+    return _launch_forward(rows_NPD, w, heads, eps)
+
+
+def _route_fake(n: int, like: Tensor, dtype: torch.dtype, heads: int):
+    b, t, d = like.shape[-3:]
+    acc_t, _ = accumulator(dtype)
+    return (like.new_empty(b, t, d, dtype=dtype), like.new_empty(n, b * t, dtype=acc_t),
+            like.new_empty(b * t, heads, dtype=acc_t))
+
+
+@torch.library.custom_op("mhar_lit::route", mutates_args=())
+def _route_op(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int,
+              eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    n, b, t, d = sources.shape
+    out_PD, r_NP, lse_PH = _route_impl(sources.contiguous().view(n, b * t, d), query, norm_weight, heads, eps)
+    return out_PD.view(b, t, d), r_NP, lse_PH
+
+
+@_route_op.register_fake
+def _(sources, query, norm_weight, heads, eps):
+    return _route_fake(sources.shape[0], sources, sources.dtype, heads)
+
+
+@torch.library.custom_op("mhar_lit::route_list", mutates_args=())
+def _route_list_op(sources: list[Tensor], query: Tensor, norm_weight: Tensor, heads: int,
+                   eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    b, t, d = sources[0].shape
+    out_PD, r_NP, lse_PH = _route_impl(torch.stack(sources).view(len(sources), b * t, d), query, norm_weight,
+                                       heads, eps)
+    return out_PD.view(b, t, d), r_NP, lse_PH
+
+
+@_route_list_op.register_fake
+def _(sources, query, norm_weight, heads, eps):
+    return _route_fake(len(sources), sources[0], stack_dtype(sources), heads)
+
+
+@torch.library.custom_op("mhar_lit::route_backward", mutates_args=())
+def _route_backward_op(sources: Tensor, r: Tensor, lse: Tensor, out: Tensor, query: Tensor, norm_weight: Tensor,
+                       dout: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(d sources [N, B, T, D], d query, d norm_weight) of route, from its saved inputs and outputs."""
+    n, b, t, d = sources.shape
+    rows_NPD = sources.contiguous().view(n, b * t, d)
     acc_t, _ = accumulator(rows_NPD.dtype)
     q, g = query.detach().to(acc_t), norm_weight.detach().to(acc_t)
-    out_PD, r_NP, lse_PH = _launch_forward(rows_NPD, (q * g).view(1, -1).contiguous(), heads, eps)
-    ctx.heads, ctx.param_dtypes = heads, (query.dtype, norm_weight.dtype)
-    return out_PD, r_NP, lse_PH, q, g
+    dout_PD = dout.to(rows_NPD.dtype).contiguous().view(b * t, d)
+    dsrc_NPD, a_D = _launch_backward(rows_NPD, r, (q * g).view(1, -1), lse, out.contiguous().view(b * t, d),
+                                     dout_PD, heads)
+    return dsrc_NPD.view(n, b, t, d), (a_D * g).to(query.dtype), (a_D * q).to(norm_weight.dtype)
 
 
-def _backward(ctx, rows_NPD: Tensor, r_NP: Tensor, lse_PH: Tensor, out_PD: Tensor, q: Tensor, g: Tensor,
-              dout_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward of both autograd entries: (d rows [N, P, D], d query, d norm_weight)."""
-    dout_PD = dout_BTD.to(rows_NPD.dtype).contiguous().view(out_PD.shape)
-    dsrc_NPD, a_D = _launch_backward(rows_NPD, r_NP, (q * g).view(1, -1), lse_PH, out_PD, dout_PD, ctx.heads)
-    return dsrc_NPD, (a_D * g).to(ctx.param_dtypes[0]), (a_D * q).to(ctx.param_dtypes[1])
+@_route_backward_op.register_fake
+def _(sources, r, lse, out, query, norm_weight, dout, heads):
+    return torch.empty_like(sources), torch.empty_like(query), torch.empty_like(norm_weight)
 
 
-class _RouteFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float) -> Tensor:
-        n, b, t, d = sources.shape
-        rows_NPD = sources.contiguous().view(n, b * t, d)
-        out_PD, r_NP, lse_PH, q, g = _forward(ctx, rows_NPD, query, norm_weight, heads, eps)
-        ctx.save_for_backward(rows_NPD, r_NP, lse_PH, out_PD, q, g)
-        return out_PD.view(b, t, d)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout_BTD: Tensor):
-        rows_NPD, *saved = ctx.saved_tensors
-        dsrc_NPD, dq, dg = _backward(ctx, rows_NPD, *saved, dout_BTD)
-        return dsrc_NPD.view(rows_NPD.shape[0], *dout_BTD.shape), dq, dg, None, None
+def _save_route(ctx, inputs, output):
+    sources, query, norm_weight, heads, _ = inputs
+    out, r, lse = output
+    ctx.heads = heads
+    ctx.save_for_backward(sources, query, norm_weight, out, r, lse)
 
 
-class _RouteListFunction(torch.autograd.Function):
-    """_RouteFunction over a list of sources: the stack the kernels read is built in the forward and again in
-    the backward instead of being saved, so a caller that keeps its sources anyway (block and delta mode:
-    the completed block sums) pays no saved copy per call (block mode at 350M saved ~1.9 GB of stacks)."""
+def _route_grad(ctx, dout, _dr, _dlse):
+    sources, query, norm_weight, out, r, lse = ctx.saved_tensors
+    dsrc, dq, dg = _route_backward_op(sources, r, lse, out, query, norm_weight, dout, ctx.heads)
+    return dsrc, dq, dg, None, None
 
-    @staticmethod
-    def forward(ctx, query: Tensor, norm_weight: Tensor, heads: int, eps: float, *sources: Tensor) -> Tensor:
-        b, t, d = sources[0].shape
-        rows_NPD = torch.stack(sources).view(len(sources), b * t, d)
-        out_PD, r_NP, lse_PH, q, g = _forward(ctx, rows_NPD, query, norm_weight, heads, eps)
-        ctx.save_for_backward(r_NP, lse_PH, out_PD, q, g, *sources)
-        return out_PD.view(b, t, d)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout_BTD: Tensor):
-        r_NP, lse_PH, out_PD, q, g, *sources = ctx.saved_tensors
-        rows_NPD = torch.stack(sources).view(len(sources), *out_PD.shape)
-        dsrc_NPD, dq, dg = _backward(ctx, rows_NPD, r_NP, lse_PH, out_PD, q, g, dout_BTD)
-        del rows_NPD
-        return dq, dg, None, None, *(dsrc_NPD[i].view_as(src).to(src.dtype) for i, src in enumerate(sources))
+def _save_route_list(ctx, inputs, output):
+    """The list version saves the sources it was given, not their stack: a caller that keeps its sources anyway
+    (block and delta mode: the completed block sums) pays no saved copy per call (block mode at 350M saved
+    ~1.9 GB of stacks); the backward stacks them again."""
+    sources, query, norm_weight, heads, _ = inputs
+    out, r, lse = output
+    ctx.heads = heads
+    ctx.save_for_backward(query, norm_weight, out, r, lse, *sources)
+
+
+def _route_list_grad(ctx, dout, _dr, _dlse):
+    query, norm_weight, out, r, lse, *sources = ctx.saved_tensors
+    rows = torch.stack(sources)
+    dsrc, dq, dg = _route_backward_op(rows, r, lse, out, query, norm_weight, dout, ctx.heads)
+    del rows
+    return [dsrc[i].to(src.dtype) for i, src in enumerate(sources)], dq, dg, None, None
+
+
+torch.library.register_autograd("mhar_lit::route", _route_grad, setup_context=_save_route)
+torch.library.register_autograd("mhar_lit::route_list", _route_list_grad, setup_context=_save_route_list)
+
+
+def stack_dtype(sources: list[Tensor]) -> torch.dtype:
+    """The dtype torch.stack gives the sources (mixed under autocast: fp32 embedding, bf16 outputs)."""
+    dtype = sources[0].dtype
+    for s in sources[1:]:
+        dtype = torch.promote_types(dtype, s.dtype)
+    return dtype
 
 
 def _check_params(d: int, query: Tensor, norm_weight: Tensor, heads: int) -> None:
@@ -172,17 +224,13 @@ def _check_params(d: int, query: Tensor, norm_weight: Tensor, heads: int) -> Non
 def route_triton_list(sources: list[Tensor], query: Tensor, norm_weight: Tensor, heads: int,
                       eps: float = 1e-6) -> Tensor:
     """route_triton(torch.stack(sources), ...) without saving the stack for the backward (see
-    _RouteListFunction); sources: N tensors [B, T, D] of one shape."""
+    _save_route_list); sources: N tensors [B, T, D] of one shape."""
     if not sources or any(s.shape != sources[0].shape or s.dim() != 3 for s in sources):
         raise ValueError(f"sources must be a non-empty list of [B, T, D] tensors of one shape, got "
                          f"{[tuple(s.shape) for s in sources]}")
     _check_params(sources[0].shape[-1], query, norm_weight, heads)
-    dtype = sources[0].dtype
-    for s in sources[1:]:  # the dtype torch.stack gives mixed sources (autocast: fp32 embedding, bf16 outputs)
-        dtype = torch.promote_types(dtype, s.dtype)
-    check_storage_dtype(dtype)
-    check_device(*sources, query, norm_weight)
-    return _RouteListFunction.apply(query, norm_weight, heads, eps, *sources)
+    check_storage_dtype(stack_dtype(sources))
+    return _route_list_op(list(sources), query, norm_weight, heads, eps)[0]
 
 
 def route_triton(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
@@ -191,5 +239,4 @@ def route_triton(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int
         raise ValueError(f"sources must be [N, B, T, D], got shape {tuple(sources.shape)}")
     _check_params(sources.shape[-1], query, norm_weight, heads)
     check_storage_dtype(sources.dtype)
-    check_device(sources, query, norm_weight)
-    return _RouteFunction.apply(sources, query, norm_weight, heads, eps)
+    return _route_op(sources, query, norm_weight, heads, eps)[0]
