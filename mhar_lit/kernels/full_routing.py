@@ -5,8 +5,8 @@ Sites s = 0..n-1 (n = 2L+1) are called in order; site s brings the newest source
 S_0..S_s. The pseudo-queries do not depend on the input, so every site's w_s = q_s * g_s is known up front.
 
 Split of the work. Everything that contracts over sites or tokens runs as tensor-core products; the O(L^2)
-passes over the rows are left with one or two FMAs per element and pair. With fp32 storage the products are
-tf32x3 (fp32-accurate); with bf16 storage they take bf16 operands: the rows (and kr = round(v r)) are exact in
+passes over the rows are left with one or two FMAs per element and pair. With fp32 (or fp16) storage the
+products are tf32x3 (fp32-accurate); with bf16 storage they take bf16 operands: the rows (and kr = round(v r)) are exact in
 bf16, and an fp32 operand (softmax weights, dl, w = q g) is split into two bf16 terms hi + lo, leaving a
 relative error of ~2^-17 (2^-16 where both operands are split) against the result's own bf16 rounding of 2^-9.
 H200, 2026-12-04: the logits, key-path and dq/dg kernels 1.4-2x faster than with tf32x3, whose lowering splits

@@ -112,7 +112,6 @@ def _launch_backward(rows_NPD: Tensor, r_NP: Tensor, w_1D: Tensor, lse_PH: Tenso
 # register_autograd. route / route_list return (out [B, T, D], r [N, P], lse [P, H]); r and lse are what the
 # backward needs besides the sources (they are outputs because a custom op cannot keep state of its own).
 def _route_impl(rows_NPD: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float):
-    check_device(rows_NPD, query, norm_weight)
     acc_t, _ = accumulator(rows_NPD.dtype)
     w = (query.detach().to(acc_t) * norm_weight.detach().to(acc_t)).view(1, -1).contiguous()
     return _launch_forward(rows_NPD, w, heads, eps)
@@ -128,6 +127,7 @@ def _route_fake(n: int, like: Tensor, dtype: torch.dtype, heads: int):
 @torch.library.custom_op("mhar_lit::route", mutates_args=())
 def _route_op(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int,
               eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    check_device(sources, query, norm_weight)  # before any copy
     n, b, t, d = sources.shape
     out_PD, r_NP, lse_PH = _route_impl(sources.contiguous().view(n, b * t, d), query, norm_weight, heads, eps)
     return out_PD.view(b, t, d), r_NP, lse_PH
@@ -141,6 +141,7 @@ def _(sources, query, norm_weight, heads, eps):
 @torch.library.custom_op("mhar_lit::route_list", mutates_args=())
 def _route_list_op(sources: list[Tensor], query: Tensor, norm_weight: Tensor, heads: int,
                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    check_device(*sources, query, norm_weight)  # before the stack (whose error would not name the routing)
     b, t, d = sources[0].shape
     out_PD, r_NP, lse_PH = _route_impl(torch.stack(sources).view(len(sources), b * t, d), query, norm_weight,
                                        heads, eps)
@@ -156,6 +157,7 @@ def _(sources, query, norm_weight, heads, eps):
 def _route_backward_op(sources: Tensor, r: Tensor, lse: Tensor, out: Tensor, query: Tensor, norm_weight: Tensor,
                        dout: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
     """(d sources [N, B, T, D], d query, d norm_weight) of route, from its saved inputs and outputs."""
+    check_device(sources, r, lse, out, query, norm_weight, dout)
     n, b, t, d = sources.shape
     rows_NPD = sources.contiguous().view(n, b * t, d)
     acc_t, _ = accumulator(rows_NPD.dtype)
@@ -168,13 +170,15 @@ def _route_backward_op(sources: Tensor, r: Tensor, lse: Tensor, out: Tensor, que
 
 @_route_backward_op.register_fake
 def _(sources, r, lse, out, query, norm_weight, dout, heads):
-    return torch.empty_like(sources), torch.empty_like(query), torch.empty_like(norm_weight)
+    # contiguous, as the kernels write them (empty_like would copy the strides of a permuted input)
+    return sources.new_empty(sources.shape), query.new_empty(query.shape), norm_weight.new_empty(norm_weight.shape)
 
 
 def _save_route(ctx, inputs, output):
     sources, query, norm_weight, heads, _ = inputs
     out, r, lse = output
     ctx.heads = heads
+    ctx.mark_non_differentiable(r, lse)
     ctx.save_for_backward(sources, query, norm_weight, out, r, lse)
 
 
@@ -191,6 +195,7 @@ def _save_route_list(ctx, inputs, output):
     sources, query, norm_weight, heads, _ = inputs
     out, r, lse = output
     ctx.heads = heads
+    ctx.mark_non_differentiable(r, lse)
     ctx.save_for_backward(query, norm_weight, out, r, lse, *sources)
 
 

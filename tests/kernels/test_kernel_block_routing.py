@@ -60,9 +60,11 @@ def test_wide_head_fp32_error_is_torch_fp32_sized(backward):
     permuted inside each head (the same algorithm, another rounding order) fails the other cases' per-draw
     criterion, max(1e-5, 2x torch fp32's error), on 10-13% of draws, and this path on 3% (a CI failure on
     2026-12-04; benchmarks/results/precision_wide_head_block_2026-12-04_*.txt). So this case is held to the
-    RMS over WIDE_DRAWS fresh draws: at most 2x the larger of the two torch evaluations' RMS (30 draws: 0.5-
-    0.8x; bootstrapped 99.9th percentile of the 12-draw ratio 1.9), and each draw within 10x of max(1e-5,
-    either torch error) as a guard against gross errors (the largest seen: 2.8x)."""
+    RMS over WIDE_DRAWS fresh draws: at most 3x the larger of the two torch evaluations' RMS (30 draws: 0.5-
+    0.8x; the 99.9th percentile of a 12-draw bootstrap from those 30 is 1.9, and 30 draws say little about
+    such a tail, hence 3x for 8 checks per run), and each draw within 10x of max(1e-5, either torch error)
+    as a guard against gross errors (the largest seen: 2.8x). A defect that costs precision (a term
+    rounded to bf16, a wrong rescaling) shows up orders of magnitude above either bound."""
     gen = fresh_generator()
     sq = torch.zeros(3, len(NAMES), dtype=torch.float64)  # squared errors: triton, torch, permuted torch
     for _ in range(WIDE_DRAWS):
@@ -78,7 +80,7 @@ def test_wide_head_fp32_error_is_torch_fp32_sized(backward):
             sq[:, i] += errs**2
     rms = (sq / WIDE_DRAWS).sqrt()
     for i, name in enumerate(NAMES):
-        assert rms[0, i] <= 2 * max(rms[1, i], rms[2, i]), (
+        assert rms[0, i] <= 3 * max(rms[1, i], rms[2, i]), (
             f"{name}: RMS {rms[0, i]:.2e} vs torch {rms[1, i]:.2e} / permuted {rms[2, i]:.2e} "
             f"(seed {gen.initial_seed()})")
 

@@ -141,12 +141,23 @@ def test_custom_ops_pass_torch_opcheck():
     autograd registration and AOT-dispatch tests against the real kernels."""
     import mhar_lit.kernels.routing_triton  # noqa: F401  (registers the ops)
 
+    ops = torch.ops.mhar_lit
     gen = fresh_generator()
-    sources, q, g = random_case(3, 2, 3, 12, torch.float32, gen)
-    s, qq, gg = leaf(sources, q, g)
-    torch.library.opcheck(torch.ops.mhar_lit.route.default, (s, qq, gg, 3, 1e-6))
-    parts = leaf(*sources.unbind(0))
-    torch.library.opcheck(torch.ops.mhar_lit.route_list.default, (parts, qq, gg, 3, 1e-6))
+    for dtype in (torch.float32, torch.float64):
+        sources, q, g = random_case(3, 2, 3, 12, dtype, gen)
+        permuted = sources.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3)  # same values, other strides
+        for src in (sources, permuted):
+            s, qq, gg = leaf(src, q, g)
+            torch.library.opcheck(ops.route.default, (s, qq, gg, 3, 1e-6))
+            with torch.no_grad():  # the backward op has no backward of its own (no double backward)
+                out, r, lse = ops.route.default(src, q, g, 3, 1e-6)
+            dout = torch.randn(out.shape, generator=gen, dtype=dtype)
+            torch.library.opcheck(ops.route_backward.default, (src, r, lse, out, q, g, dout, 3))
+        parts = leaf(*sources.unbind(0))
+        torch.library.opcheck(ops.route_list.default, (parts, *leaf(q, g), 3, 1e-6))
+    sources, q, g = random_case(3, 2, 3, 12, torch.float32, gen)  # mixed dtypes, as under autocast
+    parts = leaf(sources[0], *sources[1:].to(torch.bfloat16).unbind(0))
+    torch.library.opcheck(ops.route_list.default, (parts, *leaf(q, g), 3, 1e-6))
 
 
 @pytest.mark.parametrize("entry", ["stacked", "list"])
