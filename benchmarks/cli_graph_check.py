@@ -95,7 +95,8 @@ def main() -> None:
                     f"tok/s eager {speed[0]:9.0f} graph {speed[1]:9.0f} ({speed[1] / speed[0]:.2f}x)")
         if control:
             diff, val_diff, n_steps = loss_diffs(eager, control)
-            rows.append(f"{method:9s} control: eager vs eager  max rel train-loss diff {diff:.1e}  val diff {val_diff:.1e}")
+            rows.append(f"{method:9s} control: eager vs eager  max rel train-loss diff {diff:.1e}  "
+                        f"val diff {val_diff:.1e}")
         with open(os.path.join(args.out, "cli_graph_check.json"), "w") as f:
             json.dump(report, f, indent=1)
     with open(os.path.join(args.out, "cli_graph_check.json"), "w") as f:

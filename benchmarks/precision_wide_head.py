@@ -71,8 +71,8 @@ def main() -> None:
         rows.append([(rel(t, x), rel(r, x), rel(p, x)) for t, r, p, x in zip(tri32, ref32, perm32, exact)])
         print(f"seed {seed}: " + "  ".join(f"{n} {t:.1e}/{r:.1e}/{p:.1e}" for n, (t, r, p) in zip(NAMES, rows[-1])),
               flush=True)
-    print(f"\n{args.draws} draws, {args.mode} mode, impl {args.impl}: RMS of the relative errors (triton / torch fp32 / torch fp32 "
-          "permuted) and the share of draws above max(1e-5, 2x torch fp32's error)")
+    print(f"\n{args.draws} draws, {args.mode} mode, impl {args.impl}: RMS of the relative errors (triton / "
+          "torch fp32 / torch fp32 permuted) and the share of draws above max(1e-5, 2x torch fp32's error)")
     for i, name in enumerate(NAMES):
         rms = [statistics.fmean(r[i][k] ** 2 for r in rows) ** 0.5 for k in range(3)]
         over = [sum(r[i][k] > max(1e-5, 2 * r[i][1]) for r in rows) / len(rows) for k in (0, 2)]

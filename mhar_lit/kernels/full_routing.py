@@ -6,11 +6,11 @@ S_0..S_s. The pseudo-queries do not depend on the input, so every site's w_s = q
 
 Split of the work. Everything that contracts over sites or tokens runs as tensor-core products; the O(L^2)
 passes over the rows are left with one or two FMAs per element and pair. With fp32 (or fp16) storage the
-products are tf32x3 (fp32-accurate); with bf16 storage they take bf16 operands: the rows (and kr = round(v r)) are exact in
-bf16, and an fp32 operand (softmax weights, dl, w = q g) is split into two bf16 terms hi + lo, leaving a
-relative error of ~2^-17 (2^-16 where both operands are split) against the result's own bf16 rounding of 2^-9.
-H200, 2026-12-04: the logits, key-path and dq/dg kernels 1.4-2x faster than with tf32x3, whose lowering splits
-both operands again in every product (benchmarks/results/routing.md, session 9).
+products are tf32x3 (fp32-accurate); with bf16 storage they take bf16 operands: the rows (and kr = round(v r))
+are exact in bf16, and an fp32 operand (softmax weights, dl, w = q g) is split into two bf16 terms hi + lo,
+leaving a relative error of ~2^-17 (2^-16 where both operands are split) against the result's own bf16
+rounding of 2^-9. H200, 2026-12-04: the logits, key-path and dq/dg kernels 1.4-2x faster than with tf32x3,
+whose lowering splits both operands again in every product (benchmarks/results/routing.md, session 9).
 - Pair table z [N(N+1)/2, H, P]: every (source, site) logit, written once when the source arrives (a
   [P, K] @ [K, N - j] product per head). The backward's softmax gradient dl of every pair uses the same
   layout. Both are fp32 and d/H / 2 times smaller than one stack of the sources.

@@ -76,7 +76,8 @@ def test_wide_head_fp32_error_is_torch_fp32_sized(backward):
         got = block_mode_output_and_grads("triton", *problem, 2, 2, torch.float32, backward=backward)
         for i, (name, a, r, p, x) in enumerate(zip(NAMES, got, ref32, perm32, exact)):
             errs = torch.tensor([rel(a, x), rel(r, x), rel(p, x)], dtype=torch.float64)
-            assert errs[0] <= 10 * max(1e-5, errs[1], errs[2]), f"{name}: {errs.tolist()} (seed {gen.initial_seed()})"
+            assert errs[0] <= 10 * max(1e-5, errs[1], errs[2]), (
+                f"{name}: {errs.tolist()} (seed {gen.initial_seed()})")
             sq[:, i] += errs**2
     rms = (sq / WIDE_DRAWS).sqrt()
     for i, name in enumerate(NAMES):
@@ -125,8 +126,8 @@ def test_tiling_and_repeats_change_nothing():
     for tile, warps, unroll, backward in ((16, 1, 1, "accumulate"), (64, 2, 2, "block_pass"),
                                           (4096, 4, 2, "accumulate"), (4096, 0, 1, "block_pass")):
         # 1, 4 and all 15 tokens per program; both backward versions (equal to fp32 summation order)
-        got = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32, tile_elements=tile, num_warps=warps,
-                                unroll=unroll, backward=backward)
+        got = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32, tile_elements=tile,
+                                          num_warps=warps, unroll=unroll, backward=backward)
         for name, a, b in zip(NAMES, got, base):
             assert rel(a, b) <= 1e-6, (
                 f"tile {tile} unroll {unroll} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})")
