@@ -142,13 +142,13 @@ def _append_kernel(new_ptr, rows_ptr, r_ptr, row, P, D, eps,
 
 
 @triton.jit(do_not_specialize=["src"])
-def _logits_kernel(rows_ptr, r_ptr, w_ptr, z_ptr, src, N, P, D, H, K,
+def _logits_kernel(rows_ptr, r_ptr, w_hi_ptr, w_lo_ptr, z_ptr, src, N, P, D, H, K,
                    BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
                    PREC: tl.constexpr):
     """Logits of source `src` against every site s >= src, one head: z[(src, s), h, t] = <kr_[h], w_s,[h]>
     with kr = round_storage(v r), as a tensor-core product [BLOCK_T, K] @ [K, S] in K_B-wide slices
     (PREC "tf32x3": fp32-accurate; "ieee" for fp64; with bf16 storage kr is an exact bf16 operand and w
-    two bf16 terms hi + lo, relative error ~2^-17)."""
+    two bf16 terms hi + lo, relative error ~2^-17; FullRouting.w_terms)."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -166,11 +166,12 @@ def _logits_kernel(rows_ptr, r_ptr, w_ptr, z_ptr, src, N, P, D, H, K,
         v = tl.load(rows_ptr + row_off + offs_t[:, None].to(tl.int64) * D + col[None, :],
                     mask=mask_t[:, None] & mask_b[None, :], other=0.0).to(ACC)
         kr = _mma_operand(_to_storage(v * r[:, None], store_ty), store_ty, ACC)  # exact in the storage dtype
-        w = tl.load(w_ptr + (src + offs_s)[None, :] * D + col[:, None],
-                    mask=mask_b[:, None] & mask_s[None, :], other=0.0)  # [K_B, S_P]
-        w_hi, w_lo = _bf16_split(w, store_ty, ACC)
+        w_off = (src + offs_s)[None, :] * D + col[:, None]
+        mask_w = mask_b[:, None] & mask_s[None, :]
+        w_hi = _mma_operand(tl.load(w_hi_ptr + w_off, mask=mask_w, other=0.0), store_ty, ACC)  # [K_B, S_P]
         z = _mma(kr, w_hi, z, store_ty, ACC, PREC)
         if store_ty == tl.bfloat16:  # kr is exact in bf16: two products carry w to ~2^-17
+            w_lo = _mma_operand(tl.load(w_lo_ptr + w_off, mask=mask_w, other=0.0), store_ty, ACC)
             z = _mma(kr, w_lo, z, store_ty, ACC, PREC)
     pair = _pair_row(src, src + offs_s, N)
     tl.store(z_ptr + (pair[None, :] * H + h) * P + offs_t[:, None], z, mask=mask_t[:, None] & mask_s[None, :])
@@ -649,14 +650,19 @@ def _suffix_dot_bwd_kernel(
 
 
 @triton.jit
-def _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair, s, P, H, th, zt, mask_t):
-    """One in-group pair (site s, the column's source), one head: alpha from the saved logit, dl (stored for
-    the key path and dq/dg); returns dl, alpha and the logit [BLOCK_T]."""
-    logit = tl.load(z_ptr + pair * H * P + zt, mask=mask_t, other=0.0)
-    alpha = tl.exp(logit - tl.load(lse_ptr + s * P * H + th, mask=mask_t, other=0.0))
-    dl = alpha * (tl.sum(dout * v, axis=1) - S)
-    tl.store(dl_ptr + pair * H * P + zt, dl, mask=mask_t)
-    return dl, alpha, logit
+def _in_group_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, s0, g_end, pair0, src, offs_j, tile, mask, mask_t, th, zt,
+                    row_stride, P, H):
+    """Loads of the in-group sites s0 .. s0 + J_B - 1 (< g_end) for the column's source: dout [BLOCK_T, J_B,
+    K_P] (storage dtype), S, logit and lse [BLOCK_T, J_B] (masked lanes: zeros)."""
+    s = s0 + offs_j
+    mask_tj = mask_t[:, None] & (s < g_end)[None, :]
+    douts = tl.load(dout_buf_ptr + s[None, :, None].to(tl.int64) * row_stride + tile[:, None, :],
+                    mask=mask_tj[:, :, None] & mask[:, None, :], other=0.0)
+    tj = s[None, :].to(tl.int64) * P * H + th[:, None]
+    S_j = tl.load(S_ptr + tj, mask=mask_tj, other=0.0)
+    logit_j = tl.load(z_ptr + (pair0 + s - src)[None, :].to(tl.int64) * H * P + zt[:, None], mask=mask_tj, other=0.0)
+    lse_j = tl.load(lse_ptr + tj, mask=mask_tj, other=0.0)
+    return douts, S_j, logit_j, lse_j
 
 
 @triton.jit(do_not_specialize=["src", "g_end", "part_slot"])
@@ -673,11 +679,16 @@ def _column_bwd_kernel(
     dout_buf/S for the later passes). The pairs (s, src) for in-group sites s in [src, g_end) are computed
     here (value path, dl stored); the pairs s >= g_end came from the suffix pass (part_dv, dl).
     Writes the value-path gradient dvp [P, D] (fp32) and this head's share of the RMSNorm coupling
-    c [H, P] (sum over pairs of dl * logit); _keypath_kernel adds the key path and writes the gradient."""
+    c [H, P] (sum over pairs of dl * logit); _keypath_kernel adds the key path and writes the gradient.
+
+    Every load is issued before the first store: a store may alias a later load for the compiler, so each
+    store would make the loads after it wait for a new memory round trip. The in-group sites come J_B per
+    step, the next step's loads issued before this step's store of dl."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, K_P)
+    offs_j = tl.arange(0, J_B)
     mask_t = offs_t < P
     col = h * K + offs_k
     tile = offs_t[:, None].to(tl.int64) * D + col[None, :]
@@ -685,43 +696,49 @@ def _column_bwd_kernel(
     th = offs_t.to(tl.int64) * H + h  # [N, P, H] tensors (lse, S)
     zt = h * P + offs_t.to(tl.int64)  # [pairs, H, P] tensors (z, dl)
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
+    pair0 = _pair_row(src, src, N)
 
     dout_raw = tl.load(dout_new_ptr + tile, mask=mask, other=0.0)
-    dout = dout_raw.to(ACC)
-    S = tl.sum(dout * tl.load(out_new_ptr + tile, mask=mask, other=0.0).to(ACC), axis=1)
-    tl.store(dout_buf_ptr + src * row_stride + tile, dout_raw, mask=mask)
-    tl.store(S_ptr + src * P * H + th, S, mask=mask_t)
-
+    out_new = tl.load(out_new_ptr + tile, mask=mask, other=0.0)
     v = tl.load(rows_ptr + src * row_stride + tile, mask=mask, other=0.0).to(ACC)
-    pair0 = _pair_row(src, src, N)
-    dl, alpha, logit = _pair_grad(v, dout, S, z_ptr, dl_ptr, lse_ptr, pair0, src, P, H, th, zt, mask_t)
-    dv = alpha[:, None] * dout
-    c = dl * logit
+    logit = tl.load(z_ptr + pair0 * H * P + zt, mask=mask_t, other=0.0)
+    lse = tl.load(lse_ptr + src * P * H + th, mask=mask_t, other=0.0)
     if HAS_SUFFIX:
-        dv += tl.load(part_dv_ptr + part_slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
-        # the suffix pairs' coupling: their dl and logits as one [BLOCK_T, sites] tile, not a loop over sites
+        part_dv = tl.load(part_dv_ptr + part_slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
+        # the suffix pairs' dl and logits as one [BLOCK_T, sites] tile, not a loop over sites
         offs_s = g_end + tl.arange(0, S_P)
         zts = (pair0 + offs_s - src)[None, :] * H * P + zt[:, None]
         mask_ts = mask_t[:, None] & (offs_s[None, :] < N)
-        c += tl.sum(tl.load(dl_ptr + zts, mask=mask_ts, other=0.0) * tl.load(z_ptr + zts, mask=mask_ts, other=0.0),
-                    axis=1)
+        dl_s = tl.load(dl_ptr + zts, mask=mask_ts, other=0.0)
+        z_s = tl.load(z_ptr + zts, mask=mask_ts, other=0.0)
+    douts, S_j, logit_j, lse_j = _in_group_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, src + 1, g_end, pair0, src,
+                                                 offs_j, tile, mask, mask_t, th, zt, row_stride, P, H)
+
+    dout = dout_raw.to(ACC)
+    S = tl.sum(dout * out_new.to(ACC), axis=1)
+    alpha = tl.exp(logit - lse)
+    dl = alpha * (tl.sum(dout * v, axis=1) - S)
+    dv = alpha[:, None] * dout
+    c = dl * logit
+    if HAS_SUFFIX:
+        dv += part_dv
+        c += tl.sum(dl_s * z_s, axis=1)
+    tl.store(dout_buf_ptr + src * row_stride + tile, dout_raw, mask=mask)
+    tl.store(S_ptr + src * P * H + th, S, mask=mask_t)
+    tl.store(dl_ptr + pair0 * H * P + zt, dl, mask=mask_t)
     # in-group sites (their dout and S already sit in the buffers), J_B per step as one [BLOCK_T, J_B, K_P]
     # tile: the loads of J_B rows are issued together instead of one row's per loop step
-    offs_j = tl.arange(0, J_B)
     for s0 in range(src + 1, g_end, J_B):
         s = s0 + offs_j
         mask_tj = mask_t[:, None] & (s < g_end)[None, :]
-        douts = tl.load(dout_buf_ptr + s[None, :, None].to(tl.int64) * row_stride + tile[:, None, :],
-                        mask=mask_tj[:, :, None] & mask[:, None, :], other=0.0).to(ACC)
-        tj = s[None, :].to(tl.int64) * P * H + th[:, None]
-        S_j = tl.load(S_ptr + tj, mask=mask_tj, other=0.0)
-        zj = (pair0 + s - src)[None, :].to(tl.int64) * H * P + zt[:, None]
-        logit_j = tl.load(z_ptr + zj, mask=mask_tj, other=0.0)
-        alpha_j = tl.where(mask_tj, tl.exp(logit_j - tl.load(lse_ptr + tj, mask=mask_tj, other=0.0)), 0.0)
-        dl_j = alpha_j * (tl.sum(douts * v[:, None, :], axis=2) - S_j)
-        tl.store(dl_ptr + zj, dl_j, mask=mask_tj)
-        dv += tl.sum(alpha_j[:, :, None] * douts, axis=1)
+        alpha_j = tl.where(mask_tj, tl.exp(logit_j - lse_j), 0.0)
+        dl_j = alpha_j * (tl.sum(douts.to(ACC) * v[:, None, :], axis=2) - S_j)
+        dv += tl.sum(alpha_j[:, :, None] * douts.to(ACC), axis=1)
         c += tl.sum(dl_j * logit_j, axis=1)
+        zj = (pair0 + s - src)[None, :].to(tl.int64) * H * P + zt[:, None]
+        douts, S_j, logit_j, lse_j = _in_group_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, s0 + J_B, g_end, pair0,
+                                                     src, offs_j, tile, mask, mask_t, th, zt, row_stride, P, H)
+        tl.store(dl_ptr + zj, dl_j, mask=mask_tj)
     tl.store(dvp_ptr + tile, dv, mask=mask)
     tl.store(c_ptr + zt, c, mask=mask_t)
 
@@ -754,13 +771,34 @@ def _mma_split(a_hi, a_lo, b_hi, b_lo, acc, store_ty: tl.constexpr, ACC: tl.cons
     return out
 
 
+@triton.jit
+def _keypath_slice_loads(rows_ptr, w_hi_ptr, w_lo_ptr, dvp_ptr, src, offs_t, mask_t, offs_s, mask_s, row_off, h, K,
+                         D, k0, K_B: tl.constexpr):
+    """Head columns [k0, k0 + K_B) of the key path's operands (all masked past K): w = q g of the sites >= src
+    as its two tensor-core terms [S_P, K_B] (FullRouting.w_terms), the source row v and the value-path
+    gradient dvp [BLOCK_T, K_B]."""
+    offs_b = k0 + tl.arange(0, K_B)
+    mask_b = offs_b < K
+    col = h * K + offs_b
+    w_off = (src + offs_s)[:, None] * D + col[None, :]
+    mask_w = mask_s[:, None] & mask_b[None, :]
+    w_hi = tl.load(w_hi_ptr + w_off, mask=mask_w, other=0.0)
+    w_lo = tl.load(w_lo_ptr + w_off, mask=mask_w, other=0.0)
+    tile = offs_t[:, None].to(tl.int64) * D + col[None, :]
+    mask = mask_t[:, None] & mask_b[None, :]
+    v = tl.load(rows_ptr + row_off + tile, mask=mask, other=0.0)
+    dvp = tl.load(dvp_ptr + tile, mask=mask, other=0.0)
+    return w_hi, w_lo, v, dvp
+
+
 @triton.jit(do_not_specialize=["src"])
-def _keypath_kernel(rows_ptr, r_ptr, w_ptr, dl_ptr, dvp_ptr, c_ptr, dsrc_ptr, src, N, P, D, H, K,
+def _keypath_kernel(rows_ptr, r_ptr, w_hi_ptr, w_lo_ptr, dl_ptr, dvp_ptr, c_ptr, dsrc_ptr, src, N, P, D, H, K,
                     BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, H_P: tl.constexpr,
                     ACC: tl.constexpr, PREC: tl.constexpr):
     """Source `src`'s gradient, one head: the key path of all its pairs through the RMSNorm,
     dsrc = dvp + r * (dl @ w) - r^2/D * c * v, with dl [BLOCK_T, sites >= src] @ w [sites, K] a
-    tensor-core product (_mma_split), in K_B-wide slices."""
+    tensor-core product (_mma_split), in K_B-wide column slices. The next slice's loads are issued before
+    this slice's store: a store may alias a later load for the compiler and would make it wait."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -769,28 +807,28 @@ def _keypath_kernel(rows_ptr, r_ptr, w_ptr, dl_ptr, dvp_ptr, c_ptr, dsrc_ptr, sr
     mask_t = offs_t < P
     mask_s = src + offs_s < N
     pair = _pair_row(src, src + offs_s, N)
+    row_off = (tl.full([], 0, tl.int64) + src) * P * D
     dl = tl.load(dl_ptr + (pair[None, :] * H + h) * P + offs_t[:, None],
                  mask=mask_t[:, None] & mask_s[None, :], other=0.0)  # [BLOCK_T, S_P]
     r = tl.load(r_ptr + src * P + offs_t, mask=mask_t, other=0.0).to(ACC)
     offs_h = tl.arange(0, H_P)
-    c = tl.sum(tl.load(c_ptr + offs_h[None, :] * P + offs_t[:, None],
-                       mask=mask_t[:, None] & (offs_h[None, :] < H), other=0.0), axis=1)  # over heads
-    cr = r * r * c / D
-    row_off = (tl.full([], 0, tl.int64) + src) * P * D
+    c = tl.load(c_ptr + offs_h[None, :] * P + offs_t[:, None], mask=mask_t[:, None] & (offs_h[None, :] < H),
+                other=0.0)
+    w_hi, w_lo, v, dvp = _keypath_slice_loads(rows_ptr, w_hi_ptr, w_lo_ptr, dvp_ptr, src, offs_t, mask_t, offs_s,
+                                              mask_s, row_off, h, K, D, 0, K_B)
+    cr = r * r * tl.sum(c, axis=1) / D  # the coupling summed over heads
     store_ty = rows_ptr.dtype.element_ty
     dl_hi, dl_lo = _bf16_split(dl, store_ty, ACC)
     for k0 in range(0, K, K_B):
-        mask_b = k0 + offs_b < K
+        dkr = _mma_split(dl_hi, dl_lo, _mma_operand(w_hi, store_ty, ACC), _mma_operand(w_lo, store_ty, ACC),
+                         tl.zeros([BLOCK_T, K_B], ACC), store_ty, ACC, PREC)
+        out = dvp + r[:, None] * dkr - cr[:, None] * v.to(ACC)
         col = h * K + k0 + offs_b
-        w = tl.load(w_ptr + (src + offs_s)[:, None] * D + col[None, :],
-                    mask=mask_s[:, None] & mask_b[None, :], other=0.0)  # [S_P, K_B]
-        w_hi, w_lo = _bf16_split(w, store_ty, ACC)
-        dkr = _mma_split(dl_hi, dl_lo, w_hi, w_lo, tl.zeros([BLOCK_T, K_B], ACC), store_ty, ACC, PREC)
         tile = offs_t[:, None].to(tl.int64) * D + col[None, :]
-        mask = mask_t[:, None] & mask_b[None, :]
-        v = tl.load(rows_ptr + row_off + tile, mask=mask, other=0.0).to(ACC)
-        dv = tl.load(dvp_ptr + tile, mask=mask, other=0.0) + r[:, None] * dkr - cr[:, None] * v
-        tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
+        mask = mask_t[:, None] & (k0 + offs_b < K)[None, :]
+        w_hi, w_lo, v, dvp = _keypath_slice_loads(rows_ptr, w_hi_ptr, w_lo_ptr, dvp_ptr, src, offs_t, mask_t,
+                                                  offs_s, mask_s, row_off, h, K, D, k0 + K_B, K_B)
+        tl.store(dsrc_ptr + tile, _to_storage(out, dsrc_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

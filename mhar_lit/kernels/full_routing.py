@@ -146,6 +146,7 @@ class FullRouting:
             self.q_SD = query_SD.detach().to(self.acc_t).clone()
             self.g_SD = norm_weight_SD.detach().to(self.acc_t).clone()
             self.w_SD = (self.q_SD * self.g_SD).contiguous()
+            self.w_terms = self._w_terms()
         self.rows = torch.empty(n, self.p, d, dtype=self.dtype, device=self.device)
         self.r = torch.empty(n, self.p, dtype=self.acc_t, device=self.device)
         self.lse = torch.empty(n, self.p, heads, dtype=self.acc_t, device=self.device)
@@ -156,6 +157,15 @@ class FullRouting:
         self.next_backward = n - 1
         self._chunk_state: Optional[tuple[Tensor, Tensor, Tensor]] = None
         self._bwd: Optional[dict] = None
+
+    def _w_terms(self) -> tuple[Tensor, Tensor]:
+        """w = q g as the tensor-core operands of the logits and key-path kernels, split once here rather than
+        in every program: with bf16 storage two bf16 terms hi + lo (round to nearest even, as _bf16_split;
+        |w - hi - lo| <= 2^-17 |w|), otherwise w itself in the compute dtype (the second term unused)."""
+        if self.dtype != torch.bfloat16:
+            return self.w_SD, self.w_SD
+        hi = self.w_SD.to(torch.bfloat16)
+        return hi, (self.w_SD - hi.float()).to(torch.bfloat16)
 
     # ---------------------------------------------------------------- public
     def route(self, site: int, source_BTD: Tensor, query_SD: Optional[Tensor] = None,
@@ -234,7 +244,7 @@ class FullRouting:
             key=(self._key, aligned(source)),
         )
         launch(kern._logits_kernel, (triton.cdiv(p, DOT_TOKENS), self.heads),
-            self.rows, self.r, self.w_SD, self.z, site, n, p, d, self.heads, self.k,
+            self.rows, self.r, *self.w_terms, self.z, site, n, p, d, self.heads, self.k,
             BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n - site), ACC=self.acc_tl, PREC=self.prec,
             num_warps=4, key=self._key,
         )
@@ -359,7 +369,8 @@ class FullRouting:
         )
         dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
         launch(kern._keypath_kernel, (triton.cdiv(p, self.keypath_tokens), self.heads),
-            self.rows, self.r, self.w_SD, bw["dl"], bw["dvp"], bw["c"], dsrc_PD, site, n, p, d, self.heads, self.k,
+            self.rows, self.r, *self.w_terms, bw["dl"], bw["dvp"], bw["c"], dsrc_PD, site, n, p, d, self.heads,
+            self.k,
             BLOCK_T=self.keypath_tokens, K_B=self.k_b, S_P=dot_dim(n - site), H_P=self.h_p, ACC=self.acc_tl,
             PREC=self.prec, num_warps=self.keypath_warps, key=self._key,
         )
