@@ -178,34 +178,22 @@ def _logits_kernel(rows_ptr, r_ptr, w_hi_ptr, w_lo_ptr, z_ptr, src, N, P, D, H, 
 
 
 @triton.jit
-def _prefix_logits(z_ptr, z_T, z_CT, mask_t, mask_CT, n, n_rows, site_lo, N, H, P):
-    """Logits of row n against the chunk's first site [BLOCK_T] and its later sites [C_P, BLOCK_T] (a
-    source's pairs are consecutive rows of z from pair (n, site_lo)); -inf past the last row (weight 0)."""
-    base = _pair_row(n, site_lo, N) * H * P
-    ok = n < n_rows
-    z_f = tl.load(z_ptr + base + z_T, mask=mask_t & ok, other=float("-inf"))
-    z_l = tl.load(z_ptr + base + H * P + z_CT, mask=mask_CT & ok, other=float("-inf"))
-    return z_f, z_l
+def _prefix_logits(z_ptr, z_CT, mask_CT, n, n_rows, site_lo, N, H, P):
+    """Logits [C_P, BLOCK_T] of row n against the chunk's sites; -inf past the last row (weight 0)."""
+    return tl.load(z_ptr + _pair_row(n, site_lo, N) * H * P + z_CT, mask=mask_CT & (n < n_rows),
+                   other=float("-inf"))
 
 
 @triton.jit
 def _prefix_row(rows_ptr, tile_TK, mask_TK, n, n_rows, row_stride):
-    """Row n's [BLOCK_T, K_W] head slice in the storage dtype (zeros past the last row)."""
+    """Row n's [BLOCK_T, K_P] head slice in the storage dtype (zeros past the last row)."""
     return tl.load(rows_ptr + n * row_stride + tile_TK, mask=mask_TK & (n < n_rows), other=0.0)
 
 
 @triton.jit
-def _prefix_max(z, m_f, m_l):
-    return tl.maximum(m_f, z[0]), tl.maximum(m_l, z[1])
-
-
-@triton.jit
-def _prefix_mix(z, v, m_f, m_l, l_f, l_l, acc_f, acc_l, ACC: tl.constexpr):
-    """One row into the first site's (l, acc) [BLOCK_T], [BLOCK_T, K_W] and the later sites' [C_P, ...]."""
-    x = v.to(ACC)
-    p_f = tl.exp(z[0] - m_f)
-    p_l = tl.exp(z[1] - m_l)
-    return l_f + p_f, l_l + p_l, acc_f + p_f[:, None] * x, acc_l + p_l[:, :, None] * x[None, :, :]
+def _prefix_mix(z, v, m, l, acc, ACC: tl.constexpr):
+    p = tl.exp(z - m)
+    return l + p, acc + p[:, :, None] * v.to(ACC)[None, :, :]
 
 
 @triton.jit(do_not_specialize=["n_rows", "site_lo", "n_sites"])
@@ -214,15 +202,13 @@ def _prefix_fwd_kernel(
     n_rows, site_lo, n_sites, N, P, D, H, K,
     C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_W: tl.constexpr, ACC: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    """Prefix pass of a chunk, one head and K_W of its columns: every row in [0, n_rows) = [0, site_lo] is
-    read once and mixed into the chunk's n_sites sites from site_lo on. The logits come from the pair table z
-    (computed when each row entered), so a first loop over z alone fixes each site's max and the row loop is
-    one FMA per element and site, with no rescaling. Column blocks (grid axis 2) let a head width that is no
-    power of two run without padding: 160 = 5 x 32 instead of one 256-wide tile.
-    The chunk's first site has all its rows here: it has accumulators of its own, and its output and lse are
-    written directly (no merge). The later sites (C_P >= n_sites - 1 of them, a [C_P, BLOCK_T, K_W] tile)
-    leave (m, l, acc) in slots 0..n_sites-2 for their merges. A separate first site, rather than slot 0 of
-    the tile, keeps the end of the pass a plain store: picking slot 0 out of the tile cost 32 registers."""
+    """Prefix pass of a chunk, one head and K_W of its columns: every row in [0, n_rows) is read once and
+    mixed into the C sites [site_lo, site_lo + n_sites). The logits come from the pair table z (computed
+    when each row entered), so a first loop over z alone fixes each site's max and the row loop is one FMA
+    per element and site, with no rescaling. Column blocks (grid axis 2) let a head width that is no power
+    of two run without padding: 160 = 5 x 32 instead of one 256-wide tile.
+    The rows are [0, site_lo]: the chunk's first site is complete here, so its output and lse are written
+    directly (_prefix_store) and it needs no merge; the later sites get (m, l, acc) in slots 1..n_sites-1."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     k0 = tl.program_id(2) * K_W
@@ -231,64 +217,77 @@ def _prefix_fwd_kernel(
     offs_c = tl.arange(0, C_P)
     mask_t = offs_t < P
     mask_k = offs_k < K
-    mask_c = offs_c < n_sites - 1
+    mask_c = offs_c < n_sites
     col = h * K + offs_k
     tile_TK = offs_t[:, None].to(tl.int64) * D + col[None, :]
     mask_TK = mask_t[:, None] & mask_k[None, :]
     mask_CT = mask_c[:, None] & mask_t[None, :]
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
-    z_T = h * P + offs_t
-    z_CT = (offs_c[:, None].to(tl.int64) * H + h) * P + offs_t[None, :]
+    z_CT = (offs_c[:, None].to(tl.int64) * H + h) * P + offs_t[None, :]  # + pair (n, site_lo) rows
 
     # UNROLL rows per step, their loads issued together: a program holds little data, so one row's load at
     # a time leaves the loop waiting on memory latency; masked rows (past n_rows) add exact zeros.
-    m_f = tl.full([BLOCK_T], float("-inf"), ACC)
-    m_l = tl.full([C_P, BLOCK_T], float("-inf"), ACC)
+    m = tl.full([C_P, BLOCK_T], float("-inf"), ACC)
     for n in range(0, n_rows, UNROLL):
-        z0 = _prefix_logits(z_ptr, z_T, z_CT, mask_t, mask_CT, n, n_rows, site_lo, N, H, P)
+        z0 = _prefix_logits(z_ptr, z_CT, mask_CT, n, n_rows, site_lo, N, H, P)
         if UNROLL >= 2:
-            z1 = _prefix_logits(z_ptr, z_T, z_CT, mask_t, mask_CT, n + 1, n_rows, site_lo, N, H, P)
+            z1 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 1, n_rows, site_lo, N, H, P)
         if UNROLL >= 4:
-            z2 = _prefix_logits(z_ptr, z_T, z_CT, mask_t, mask_CT, n + 2, n_rows, site_lo, N, H, P)
-            z3 = _prefix_logits(z_ptr, z_T, z_CT, mask_t, mask_CT, n + 3, n_rows, site_lo, N, H, P)
-        m_f, m_l = _prefix_max(z0, m_f, m_l)
+            z2 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 2, n_rows, site_lo, N, H, P)
+            z3 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 3, n_rows, site_lo, N, H, P)
+        m = tl.maximum(m, z0)
         if UNROLL >= 2:
-            m_f, m_l = _prefix_max(z1, m_f, m_l)
+            m = tl.maximum(m, z1)
         if UNROLL >= 4:
-            m_f, m_l = _prefix_max(z2, m_f, m_l)
-            m_f, m_l = _prefix_max(z3, m_f, m_l)
-    m_f = tl.where(mask_t, m_f, 0.0)  # padded sites/tokens: keep exp() finite
-    m_l = tl.where(mask_CT, m_l, 0.0)
-    l_f = tl.zeros([BLOCK_T], ACC)
-    l_l = tl.zeros([C_P, BLOCK_T], ACC)
-    acc_f = tl.zeros([BLOCK_T, K_W], ACC)
-    acc_l = tl.zeros([C_P, BLOCK_T, K_W], ACC)
+            m = tl.maximum(tl.maximum(m, z2), z3)
+    m = tl.where(mask_CT, m, 0.0)  # padded sites/tokens: keep exp() finite
+    l = tl.zeros([C_P, BLOCK_T], ACC)
+    acc = tl.zeros([C_P, BLOCK_T, K_W], ACC)
     for n in range(0, n_rows, UNROLL):
-        z0 = _prefix_logits(z_ptr, z_T, z_CT, mask_t, mask_CT, n, n_rows, site_lo, N, H, P)
+        z0 = _prefix_logits(z_ptr, z_CT, mask_CT, n, n_rows, site_lo, N, H, P)
         v0 = _prefix_row(rows_ptr, tile_TK, mask_TK, n, n_rows, row_stride)
         if UNROLL >= 2:
-            z1 = _prefix_logits(z_ptr, z_T, z_CT, mask_t, mask_CT, n + 1, n_rows, site_lo, N, H, P)
+            z1 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 1, n_rows, site_lo, N, H, P)
             v1 = _prefix_row(rows_ptr, tile_TK, mask_TK, n + 1, n_rows, row_stride)
         if UNROLL >= 4:
-            z2 = _prefix_logits(z_ptr, z_T, z_CT, mask_t, mask_CT, n + 2, n_rows, site_lo, N, H, P)
+            z2 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 2, n_rows, site_lo, N, H, P)
             v2 = _prefix_row(rows_ptr, tile_TK, mask_TK, n + 2, n_rows, row_stride)
-            z3 = _prefix_logits(z_ptr, z_T, z_CT, mask_t, mask_CT, n + 3, n_rows, site_lo, N, H, P)
+            z3 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 3, n_rows, site_lo, N, H, P)
             v3 = _prefix_row(rows_ptr, tile_TK, mask_TK, n + 3, n_rows, row_stride)
-        l_f, l_l, acc_f, acc_l = _prefix_mix(z0, v0, m_f, m_l, l_f, l_l, acc_f, acc_l, ACC)
+        l, acc = _prefix_mix(z0, v0, m, l, acc, ACC)
         if UNROLL >= 2:
-            l_f, l_l, acc_f, acc_l = _prefix_mix(z1, v1, m_f, m_l, l_f, l_l, acc_f, acc_l, ACC)
+            l, acc = _prefix_mix(z1, v1, m, l, acc, ACC)
         if UNROLL >= 4:
-            l_f, l_l, acc_f, acc_l = _prefix_mix(z2, v2, m_f, m_l, l_f, l_l, acc_f, acc_l, ACC)
-            l_f, l_l, acc_f, acc_l = _prefix_mix(z3, v3, m_f, m_l, l_f, l_l, acc_f, acc_l, ACC)
+            l, acc = _prefix_mix(z2, v2, m, l, acc, ACC)
+            l, acc = _prefix_mix(z3, v3, m, l, acc, ACC)
 
-    l_f = tl.where(mask_t, l_f, 1.0)  # padded tokens: keep log() and the division finite
-    tl.store(out_ptr + tile_TK, _to_storage(acc_f / l_f[:, None], out_ptr.dtype.element_ty), mask=mask_TK)
-    tl.store(lse_ptr + (site_lo * P + offs_t) * H + h, m_f + tl.log(l_f), mask=mask_t & (k0 == 0))
-    ct = offs_c[:, None].to(tl.int64) * P + offs_t[None, :]
-    tl.store(m_ptr + ct * H + h, m_l, mask=mask_CT & (k0 == 0))
-    tl.store(l_ptr + ct * H + h, l_l, mask=mask_CT & (k0 == 0))
+    st_off = (offs_c[:, None].to(tl.int64) * P + offs_t[None, :]) * H + h
+    first = (offs_c == 0)[:, None]
+    l_safe = _prefix_store_stats(m, l, first, st_off, mask_CT, k0 == 0, m_ptr, l_ptr, lse_ptr + site_lo * P * H)
     acc_off = offs_c[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
-    tl.store(acc_ptr + acc_off, acc_l, mask=mask_CT[:, :, None] & mask_k[None, None, :])
+    _prefix_store_acc(acc, l_safe[:, :, None], first[:, :, None], acc_off, acc_off - acc_off + tile_TK[None, :, :],
+                      mask_CT[:, :, None] & mask_k[None, None, :], acc_ptr, out_ptr)
+
+
+@triton.jit
+def _prefix_store_stats(m, l, first, st_off, mask, writer, m_ptr, l_ptr, lse_ptr):
+    """End of a prefix pass, per site and token: the chunk's first site (`first`, slot 0) has all its rows,
+    so its lse = m + log l goes to the site's row of lse (`lse_ptr`; st_off's slot offset is 0 there); the
+    other sites leave (m, l) in their slots. Only the `writer` program of a token block stores. Returns l
+    with padded lanes set to 1 (finite log and division)."""
+    l_safe = tl.where(mask, l, 1.0)
+    tl.store(m_ptr + st_off, m, mask=mask & writer & ~first)
+    tl.store(l_ptr + st_off, l, mask=mask & writer & ~first)
+    tl.store(lse_ptr + st_off, m + tl.log(l_safe), mask=mask & writer & first)
+    return l_safe
+
+
+@triton.jit
+def _prefix_store_acc(acc, l_safe, first, acc_off, out_off, mask, acc_ptr, out_ptr):
+    """End of a prefix pass, per element: the first site's output acc / l in the storage dtype at out_off (the
+    same for every slot; only slot 0 stores), the other sites' acc (relative to their m) in their slots."""
+    tl.store(acc_ptr + acc_off, acc, mask=mask & ~first)
+    tl.store(out_ptr + out_off, _to_storage(acc / l_safe, out_ptr.dtype.element_ty), mask=mask & first)
 
 
 @triton.jit(do_not_specialize=["n_rows", "site_lo", "n_sites"])
@@ -343,24 +342,16 @@ def _prefix_dot_fwd_kernel(
             v_b = tl.load(rows_ptr + n_off + tok_b, mask=mask_tn & mk_b, other=0.0)
             acc_b = _mma_weights(p, _mma_operand(v_b, store_ty, ACC), acc_b, store_ty, ACC, PREC)
 
-    # site site_lo (c = 0) is complete: its output and lse; the later sites' state goes to slot c - 1
+    st_off = (offs_c[None, :].to(tl.int64) * P + offs_t[:, None]) * H + h
     first = (offs_c == 0)[None, :]
-    l = tl.where(mask_tc, l, 1.0)  # padded sites/tokens: keep log() and the division finite
-    tl.store(lse_ptr + (site_lo * P + offs_t[:, None]) * H + h + 0 * offs_c[None, :], m + tl.log(l),
-             mask=mask_tc & first)
-    st_off = ((offs_c[None, :].to(tl.int64) - 1) * P + offs_t[:, None]) * H + h
-    tl.store(m_ptr + st_off, m, mask=mask_tc & ~first)
-    tl.store(l_ptr + st_off, l, mask=mask_tc & ~first)
-    c_off = (offs_c[None, :, None].to(tl.int64) - 1) * row_stride
-    first3 = first[:, :, None]
-    out_ty = out_ptr.dtype.element_ty
-    tl.store(acc_ptr + c_off + tok_a, acc_a, mask=mask_tc[:, :, None] & mk_a & ~first3)
-    tl.store(out_ptr + c_off - c_off + tok_a, _to_storage(acc_a / l[:, :, None], out_ty),
-             mask=mask_tc[:, :, None] & mk_a & first3)
+    l_safe = _prefix_store_stats(m, l, first, st_off, mask_tc, True, m_ptr, l_ptr,
+                                 lse_ptr + site_lo * P * H)[:, :, None]
+    c_off = offs_c[None, :, None].to(tl.int64) * row_stride
+    _prefix_store_acc(acc_a, l_safe, first[:, :, None], c_off + tok_a, c_off - c_off + tok_a,
+                      mask_tc[:, :, None] & mk_a, acc_ptr, out_ptr)
     if K_B > 0:
-        tl.store(acc_ptr + c_off + tok_b, acc_b, mask=mask_tc[:, :, None] & mk_b & ~first3)
-        tl.store(out_ptr + c_off - c_off + tok_b, _to_storage(acc_b / l[:, :, None], out_ty),
-                 mask=mask_tc[:, :, None] & mk_b & first3)
+        _prefix_store_acc(acc_b, l_safe, first[:, :, None], c_off + tok_b, c_off - c_off + tok_b,
+                          mask_tc[:, :, None] & mk_b, acc_ptr, out_ptr)
 
 
 @triton.jit(do_not_specialize=["row_lo", "site", "state_slot"])

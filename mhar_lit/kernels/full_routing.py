@@ -218,11 +218,11 @@ class FullRouting:
             # no prefix and merges rows [0, site]
             m, l, acc = self._chunk_state if s0 > 0 else (self.lse, self.lse, self.lse)
             row_lo = s0 + 1 if s0 > 0 else 0
-            c_p = pow2(self.chunk - 1 if s0 > 0 else self.chunk)  # at most this many in-chunk rows
-            block_t = tile_tokens(pow2(self.chunk) * self.k_w, self.tile)  # [tokens, C_P, K_W] in-chunk rows
+            c_p = pow2(self.chunk)
+            block_t = tile_tokens(c_p * self.k_w, self.tile)  # the in-chunk rows' [tokens, C_P, K_W] tile
             launch(kern._merge_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, self.k_blocks),
                 self.rows, self.z, m, l, acc, out_PD, self.lse,
-                row_lo, site, site - s0 - 1, self.n_sites, self.p, d, self.heads, self.k,
+                row_lo, site, site - s0, self.n_sites, self.p, d, self.heads, self.k,
                 HAS_INIT=s0 > 0, BLOCK_T=block_t, K_W=self.k_w, C_P=c_p, ACC=self.acc_tl,
                 num_warps=self.num_warps, key=self._key,
             )
@@ -253,12 +253,12 @@ class FullRouting:
         """Mix rows [0, s0] into the chunk's sites once: site s0's output goes to out_PD (and its lse), the
         later sites keep (m, l, acc) for their merges."""
         c = min(self.chunk, self.n_sites - s0)
-        if self._chunk_state is None:  # the sites after the first: chunk - 1 slots (at least one allocated)
-            d, slots = self.shape[2], max(1, self.chunk - 1)
+        if self._chunk_state is None:
+            d = self.shape[2]
             self._chunk_state = (
-                torch.empty(slots, self.p, self.heads, dtype=self.acc_t, device=self.device),
-                torch.empty(slots, self.p, self.heads, dtype=self.acc_t, device=self.device),
-                torch.empty(slots, self.p, d, dtype=self.acc_t, device=self.device),
+                torch.empty(self.chunk, self.p, self.heads, dtype=self.acc_t, device=self.device),
+                torch.empty(self.chunk, self.p, self.heads, dtype=self.acc_t, device=self.device),
+                torch.empty(self.chunk, self.p, d, dtype=self.acc_t, device=self.device),
             )
         m, l, acc = self._chunk_state
         if self.prefix_impl == "dot":
@@ -273,8 +273,8 @@ class FullRouting:
                 num_warps=self.prefix_warps or 4, key=self._key,
             )
             return
-        c_p = pow2(max(1, self.chunk - 1))  # the later sites' tile; the first site has its own accumulators
-        block_t = self.prefix_tokens or tile_tokens(pow2(self.chunk) * self.k_w, self.tile)
+        c_p = pow2(self.chunk)
+        block_t = self.prefix_tokens or tile_tokens(c_p * self.k_w, self.tile)
         launch(kern._prefix_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, self.k_blocks),
             self.rows, self.z, m, l, acc, out_PD, self.lse,
             s0 + 1, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
