@@ -198,17 +198,16 @@ def _prefix_mix(z, v, m, l, acc, ACC: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_rows", "site_lo", "n_sites"])
 def _prefix_fwd_kernel(
-    rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
+    rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr,
     n_rows, site_lo, n_sites, N, P, D, H, K,
     C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_W: tl.constexpr, ACC: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """Prefix pass of a chunk, one head and K_W of its columns: every row in [0, n_rows) is read once and
     mixed into the C sites [site_lo, site_lo + n_sites). The logits come from the pair table z (computed
     when each row entered), so a first loop over z alone fixes each site's max and the row loop is one FMA
-    per element and site, with no rescaling. Column blocks (grid axis 2) let a head width that is no power
-    of two run without padding: 160 = 5 x 32 instead of one 256-wide tile.
-    The rows are [0, site_lo]: the chunk's first site is complete here, so its output and lse are written
-    directly (_prefix_store) and it needs no merge; the later sites get (m, l, acc) in slots 1..n_sites-1."""
+    per element and site, with no rescaling. Writes each site's (m, l, acc) into slots 0..n_sites-1 (acc
+    relative to m; m and l from the first column block). Column blocks (grid axis 2) let a head width that
+    is no power of two run without padding: 160 = 5 x 32 instead of one 256-wide tile."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     k0 = tl.program_id(2) * K_W
@@ -261,46 +260,24 @@ def _prefix_fwd_kernel(
             l, acc = _prefix_mix(z2, v2, m, l, acc, ACC)
             l, acc = _prefix_mix(z3, v3, m, l, acc, ACC)
 
-    st_off = (offs_c[:, None].to(tl.int64) * P + offs_t[None, :]) * H + h
-    first = (offs_c == 0)[:, None]
-    l_safe = _prefix_store_stats(m, l, first, st_off, mask_CT, k0 == 0, m_ptr, l_ptr, lse_ptr + site_lo * P * H)
+    ct = offs_c[:, None].to(tl.int64) * P + offs_t[None, :]
+    tl.store(m_ptr + ct * H + h, m, mask=mask_CT & (k0 == 0))
+    tl.store(l_ptr + ct * H + h, l, mask=mask_CT & (k0 == 0))
     acc_off = offs_c[:, None, None].to(tl.int64) * row_stride + tile_TK[None, :, :]
-    _prefix_store_acc(acc, l_safe[:, :, None], first[:, :, None], acc_off, acc_off - acc_off + tile_TK[None, :, :],
-                      mask_CT[:, :, None] & mask_k[None, None, :], acc_ptr, out_ptr)
-
-
-@triton.jit
-def _prefix_store_stats(m, l, first, st_off, mask, writer, m_ptr, l_ptr, lse_ptr):
-    """End of a prefix pass, per site and token: the chunk's first site (`first`, slot 0) has all its rows,
-    so its lse = m + log l goes to the site's row of lse (`lse_ptr`; st_off's slot offset is 0 there); the
-    other sites leave (m, l) in their slots. Only the `writer` program of a token block stores. Returns l
-    with padded lanes set to 1 (finite log and division)."""
-    l_safe = tl.where(mask, l, 1.0)
-    tl.store(m_ptr + st_off, m, mask=mask & writer & ~first)
-    tl.store(l_ptr + st_off, l, mask=mask & writer & ~first)
-    tl.store(lse_ptr + st_off, m + tl.log(l_safe), mask=mask & writer & first)
-    return l_safe
-
-
-@triton.jit
-def _prefix_store_acc(acc, l_safe, first, acc_off, out_off, mask, acc_ptr, out_ptr):
-    """End of a prefix pass, per element: the first site's output acc / l in the storage dtype at out_off (the
-    same for every slot; only slot 0 stores), the other sites' acc (relative to their m) in their slots."""
-    tl.store(acc_ptr + acc_off, acc, mask=mask & ~first)
-    tl.store(out_ptr + out_off, _to_storage(acc / l_safe, out_ptr.dtype.element_ty), mask=mask & first)
+    tl.store(acc_ptr + acc_off, acc, mask=mask_CT[:, :, None] & mask_k[None, None, :])
 
 
 @triton.jit(do_not_specialize=["n_rows", "site_lo", "n_sites"])
 def _prefix_dot_fwd_kernel(
-    rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
+    rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr,
     n_rows, site_lo, n_sites, N, P, D, H, K,
     C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, R_B: tl.constexpr,
     ACC: tl.constexpr, PREC: tl.constexpr,
 ):
-    """The prefix pass of _prefix_fwd_kernel (same inputs and outputs; the chunk's first site finished here)
-    on tensor cores: per token and head the mix is a small matrix product, acc [C, K] += p [C, R] @ v [R, K]
-    over blocks of R_B rows, run batched over the program's BLOCK_T tokens (C_P and R_B >= 16). A step loads
-    R_B rows at once. Head columns in two slices K_A + K_B as in _suffix_dot_bwd_kernel."""
+    """The prefix pass of _prefix_fwd_kernel (same inputs and outputs) on tensor cores: per token and head the
+    mix is a small matrix product, acc [C, K] += p [C, R] @ v [R, K] over blocks of R_B rows, run batched over
+    the program's BLOCK_T tokens (C_P and R_B >= 16). A step loads R_B rows at once. Head columns in two
+    slices K_A + K_B as in _suffix_dot_bwd_kernel."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -342,16 +319,13 @@ def _prefix_dot_fwd_kernel(
             v_b = tl.load(rows_ptr + n_off + tok_b, mask=mask_tn & mk_b, other=0.0)
             acc_b = _mma_weights(p, _mma_operand(v_b, store_ty, ACC), acc_b, store_ty, ACC, PREC)
 
-    st_off = (offs_c[None, :].to(tl.int64) * P + offs_t[:, None]) * H + h
-    first = (offs_c == 0)[None, :]
-    l_safe = _prefix_store_stats(m, l, first, st_off, mask_tc, True, m_ptr, l_ptr,
-                                 lse_ptr + site_lo * P * H)[:, :, None]
+    ct = (offs_c[None, :].to(tl.int64) * P + offs_t[:, None]) * H + h
+    tl.store(m_ptr + ct, m, mask=mask_tc)
+    tl.store(l_ptr + ct, l, mask=mask_tc)
     c_off = offs_c[None, :, None].to(tl.int64) * row_stride
-    _prefix_store_acc(acc_a, l_safe, first[:, :, None], c_off + tok_a, c_off - c_off + tok_a,
-                      mask_tc[:, :, None] & mk_a, acc_ptr, out_ptr)
+    tl.store(acc_ptr + c_off + tok_a, acc_a, mask=mask_tc[:, :, None] & mk_a)
     if K_B > 0:
-        _prefix_store_acc(acc_b, l_safe, first[:, :, None], c_off + tok_b, c_off - c_off + tok_b,
-                          mask_tc[:, :, None] & mk_b, acc_ptr, out_ptr)
+        tl.store(acc_ptr + c_off + tok_b, acc_b, mask=mask_tc[:, :, None] & mk_b)
 
 
 @triton.jit(do_not_specialize=["row_lo", "site", "state_slot"])

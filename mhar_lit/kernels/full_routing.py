@@ -15,10 +15,9 @@ whose lowering splits both operands again in every product (benchmarks/results/r
   [P, K] @ [K, N - j] product per head). The backward's softmax gradient dl of every pair uses the same
   layout. Both are fp32 and d/H / 2 times smaller than one stack of the sources.
 Forward. Sources go into one shared buffer rows[n, P, D] (storage dtype) with their RMS statistic r[n, P].
-- At the first site s0 of a chunk of C sites, one prefix pass reads every row [0, s0] once and mixes it
-  into all C sites (the max is known from z, so there is no rescaling): one row read serves C sites. Site s0
-  has all its rows then, so the pass writes its output and lse directly.
-- Each later site merges in only the in-chunk rows (s0, s] by log-sum-exp; it writes its output and lse.
+- At the first site s0 of a chunk of C sites, one prefix pass reads every older row [0, s0) once and mixes
+  it into all C sites (the max is known from z, so there is no rescaling): one row read serves C sites.
+- Each site then merges in only the in-chunk rows [s0, s] by log-sum-exp; it writes its output and lse.
 Backward. Sources are grouped into groups of G. When the backward reaches the last site of a group, one
 suffix pass reads the group's rows once and every later site's dout once: per pair one K-reduction
 (<dout, v>) and one FMA (value path), by default as two small tensor-core products per token (see
@@ -209,23 +208,19 @@ class FullRouting:
                              f"{source_BTD.device} does not match {self.shape} {self.dtype} on {self.device}")
         self._append(site, source_BTD)
         s0 = site - site % self.chunk
+        if site == s0 and s0 > 0:
+            self._prefix(s0)
         d = self.shape[2]
         out_PD = torch.empty(self.p, d, dtype=self.dtype, device=self.device)
-        if site == s0 and s0 > 0:
-            self._prefix(s0, out_PD)  # mixes rows [0, s0] and finishes site s0 itself
-        else:
-            # the prefix state (rows [0, s0]) merged with the in-chunk rows (s0, site]; the first chunk has
-            # no prefix and merges rows [0, site]
-            m, l, acc = self._chunk_state if s0 > 0 else (self.lse, self.lse, self.lse)
-            row_lo = s0 + 1 if s0 > 0 else 0
-            c_p = pow2(self.chunk)
-            block_t = tile_tokens(c_p * self.k_w, self.tile)  # the in-chunk rows' [tokens, C_P, K_W] tile
-            launch(kern._merge_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, self.k_blocks),
-                self.rows, self.z, m, l, acc, out_PD, self.lse,
-                row_lo, site, site - s0, self.n_sites, self.p, d, self.heads, self.k,
-                HAS_INIT=s0 > 0, BLOCK_T=block_t, K_W=self.k_w, C_P=c_p, ACC=self.acc_tl,
-                num_warps=self.num_warps, key=self._key,
-            )
+        m, l, acc = self._chunk_state if s0 > 0 else (self.lse, self.lse, self.lse)
+        c_p = pow2(self.chunk)
+        block_t = tile_tokens(c_p * self.k_w, self.tile)  # the in-chunk rows' [tokens, C_P, K_W] tile
+        launch(kern._merge_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, self.k_blocks),
+            self.rows, self.z, m, l, acc, out_PD, self.lse,
+            s0, site, site - s0, self.n_sites, self.p, d, self.heads, self.k,
+            HAS_INIT=s0 > 0, BLOCK_T=block_t, K_W=self.k_w, C_P=c_p, ACC=self.acc_tl, num_warps=self.num_warps,
+            key=self._key,
+        )
         self.next_site += 1
         if self.next_site == self.n_sites:
             self._chunk_state = None
@@ -249,9 +244,8 @@ class FullRouting:
             num_warps=4, key=self._key,
         )
 
-    def _prefix(self, s0: int, out_PD: Tensor) -> None:
-        """Mix rows [0, s0] into the chunk's sites once: site s0's output goes to out_PD (and its lse), the
-        later sites keep (m, l, acc) for their merges."""
+    def _prefix(self, s0: int) -> None:
+        """Mix rows [0, s0) into the chunk's sites once; leave (m, l, acc) per site."""
         c = min(self.chunk, self.n_sites - s0)
         if self._chunk_state is None:
             d = self.shape[2]
@@ -266,8 +260,8 @@ class FullRouting:
             # about 4096 elements of the [tokens, sites, K] accumulator per program, at least 2 tokens
             block_t = self.prefix_tokens or max(2, 4096 // (c_p * sum(self.k_split)))
             launch(kern._prefix_dot_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads),
-                self.rows, self.z, m, l, acc, out_PD, self.lse,
-                s0 + 1, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
+                self.rows, self.z, m, l, acc,
+                s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
                 C_P=c_p, BLOCK_T=block_t, K_A=self.k_split[0], K_B=self.k_split[1], R_B=PREFIX_ROW_BLOCK,
                 ACC=self.acc_tl, PREC=self.prec,
                 num_warps=self.prefix_warps or 4, key=self._key,
@@ -276,8 +270,8 @@ class FullRouting:
         c_p = pow2(self.chunk)
         block_t = self.prefix_tokens or tile_tokens(c_p * self.k_w, self.tile)
         launch(kern._prefix_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, self.k_blocks),
-            self.rows, self.z, m, l, acc, out_PD, self.lse,
-            s0 + 1, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
+            self.rows, self.z, m, l, acc,
+            s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
             C_P=c_p, BLOCK_T=block_t, K_W=self.k_w, ACC=self.acc_tl, UNROLL=self.prefix_unroll,
             num_warps=self.prefix_warps or self.num_warps, key=self._key,
         )
