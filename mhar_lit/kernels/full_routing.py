@@ -86,7 +86,8 @@ class FullRouting:
                  suffix_tokens: int = 0, suffix_warps: int = 0, suffix_impl: str = DEFAULT_SUFFIX_IMPL,
                  column_tokens: int = 0, column_warps: int = 0, prefix_impl: str = DEFAULT_PREFIX_IMPL,
                  prefix_tokens: int = 0, prefix_warps: int = 0, column_width: int = 0,
-                 keypath_tokens: int = 0, keypath_warps: int = 0) -> None:
+                 keypath_tokens: int = 0, keypath_warps: int = 0, keypath_width: int = 0,
+                 column_sites: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -126,11 +127,17 @@ class FullRouting:
             raise ValueError(f"keypath_tokens ({keypath_tokens}) must be >= 16: the key path is a tensor-core "
                              "product over tokens")
         self.keypath_tokens, self.keypath_warps = keypath_tokens or DOT_TOKENS, keypath_warps or 4
+        for name, value in (("keypath_width", keypath_width), ("column_sites", column_sites)):
+            if value < 0 or value & (value - 1) or 0 < value < (16 if name == "keypath_width" else 1):
+                raise ValueError(f"{name} ({value}) must be 0 (automatic) or a power of two"
+                                 + (" >= 16 (a tensor-core product's column slice)" if name == "keypath_width" else ""))
+        self.column_sites = column_sites or COLUMN_SITE_BLOCK
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)
         self.p, self.k = b * t, d // heads
         self.h_p, self.k_p = pow2(heads), pow2(self.k)
         self.k_b = 32 if self.k >= 32 else 16  # column slice of the tensor-core products
+        self.keypath_k_b = keypath_width or self.k_b
         self.k_split = dot_split(self.k)  # the "dot" passes' head columns: two power-of-two slices
         self.k_w = column_block(self.k, column_width)  # the forward passes' columns per program
         self.k_blocks = triton.cdiv(self.k, self.k_w)
@@ -351,7 +358,7 @@ class FullRouting:
         """Finish source `site`: in-group pairs and value path, then the key path of all its pairs."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
         # the in-group sites' [tokens, J_B, K] tile takes J_B times the registers of a row's
-        j_b = min(COLUMN_SITE_BLOCK, pow2(self.group))
+        j_b = min(self.column_sites, pow2(self.group))
         block_t = self.column_tokens or tile_tokens(j_b * self.k_p, self.tile)
         dout = dout_BTD.to(self.dtype).contiguous()
         launch(kern._column_bwd_kernel, (triton.cdiv(p, block_t), self.heads),
@@ -365,7 +372,7 @@ class FullRouting:
         launch(kern._keypath_kernel, (triton.cdiv(p, self.keypath_tokens), self.heads),
             self.rows, self.r, *self.w_terms, bw["dl"], bw["dvp"], bw["c"], dsrc_PD, site, n, p, d, self.heads,
             self.k,
-            BLOCK_T=self.keypath_tokens, K_B=self.k_b, S_P=dot_dim(n - site), H_P=self.h_p, ACC=self.acc_tl,
+            BLOCK_T=self.keypath_tokens, K_B=self.keypath_k_b, S_P=dot_dim(n - site), H_P=self.h_p, ACC=self.acc_tl,
             PREC=self.prec, num_warps=self.keypath_warps, key=self._key,
         )
         return dsrc_PD
