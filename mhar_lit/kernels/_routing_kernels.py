@@ -201,6 +201,7 @@ def _prefix_fwd_kernel(
     rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr,
     n_rows, site_lo, n_sites, N, P, D, H, K,
     C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_W: tl.constexpr, ACC: tl.constexpr, UNROLL: tl.constexpr,
+    R_B: tl.constexpr,
 ):
     """Prefix pass of a chunk, one head and K_W of its columns: every row in [0, n_rows) is read once and
     mixed into the C sites [site_lo, site_lo + n_sites). The logits come from the pair table z (computed
@@ -224,24 +225,20 @@ def _prefix_fwd_kernel(
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
     z_CT = (offs_c[:, None].to(tl.int64) * H + h) * P + offs_t[None, :]  # + pair (n, site_lo) rows
 
-    # UNROLL rows per step, their loads issued together: a program holds little data, so one row's load at
-    # a time leaves the loop waiting on memory latency; masked rows (past n_rows) add exact zeros.
+    # The max from z alone, R_B rows per step as one [C_P, BLOCK_T, R_B] tile: this loop carries no row data,
+    # so a step costs one memory round trip; row by row it waited n_rows / UNROLL of them.
+    offs_r = tl.arange(0, R_B)
     m = tl.full([C_P, BLOCK_T], float("-inf"), ACC)
-    for n in range(0, n_rows, UNROLL):
-        z0 = _prefix_logits(z_ptr, z_CT, mask_CT, n, n_rows, site_lo, N, H, P)
-        if UNROLL >= 2:
-            z1 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 1, n_rows, site_lo, N, H, P)
-        if UNROLL >= 4:
-            z2 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 2, n_rows, site_lo, N, H, P)
-            z3 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 3, n_rows, site_lo, N, H, P)
-        m = tl.maximum(m, z0)
-        if UNROLL >= 2:
-            m = tl.maximum(m, z1)
-        if UNROLL >= 4:
-            m = tl.maximum(tl.maximum(m, z2), z3)
+    for n0 in range(0, n_rows, R_B):
+        n = n0 + offs_r
+        z = tl.load(z_ptr + _pair_row(n, site_lo, N)[None, None, :] * H * P + z_CT[:, :, None],
+                    mask=mask_CT[:, :, None] & (n < n_rows)[None, None, :], other=float("-inf"))
+        m = tl.maximum(m, tl.max(z, axis=2))
     m = tl.where(mask_CT, m, 0.0)  # padded sites/tokens: keep exp() finite
     l = tl.zeros([C_P, BLOCK_T], ACC)
     acc = tl.zeros([C_P, BLOCK_T, K_W], ACC)
+    # UNROLL rows per step, their loads issued together: a program holds little data, so one row's load at
+    # a time leaves the loop waiting on memory latency; masked rows (past n_rows) add exact zeros.
     for n in range(0, n_rows, UNROLL):
         z0 = _prefix_logits(z_ptr, z_CT, mask_CT, n, n_rows, site_lo, N, H, P)
         v0 = _prefix_row(rows_ptr, tile_TK, mask_TK, n, n_rows, row_stride)

@@ -52,7 +52,7 @@ from mhar_lit.kernels.routing_triton import (accumulator, check_device, check_st
 # of the v2 grid was best at every shape (100M: 4/8/2 warps/4096; 350M: 4/8/2/2048; 1B: 8/4/2/2048); these
 # are the 350M best and within 1.35x of the best elsewhere (try-2 kernels). The suffix pass picks its own tokens and warps.
 DEFAULT_CHUNK = 4  # C: sites per forward prefix pass
-DEFAULT_GROUP = 8  # G: sources per backward suffix pass
+DEFAULT_GROUP = 16  # G: sources per backward suffix pass (H200, 2026-12-04: 16 beat 8 and 12 with column_sites 2)
 DEFAULT_WARPS = 2
 DEFAULT_TILE = 2048  # elements of one register tile (fixes tokens per program)
 DOT_TOKENS = 64  # tokens per program of the tensor-core kernels (logits, key path, dq/dg)
@@ -74,7 +74,9 @@ DEFAULT_PREFIX_IMPL = "fma"
 DEFAULT_SUFFIX_IMPL = "dot"
 PREFIX_ROW_BLOCK = 16  # rows per step of the "dot" prefix (a tensor-core product's smallest size)
 SUFFIX_SITE_BLOCK = 16  # later sites per step of the "dot" suffix (likewise)
-COLUMN_SITE_BLOCK = 4  # in-group sites per step of the column kernel (their loads issued together)
+# In-group sites per step of the column kernel (their loads issued together). H200, 2026-12-04 (group 16): 2 beat
+# 4 and 1 at every shape (captured routing 5.54 / 6.66 / 8.41 ms against 5.99 / 6.69 / 8.93 with 4 and group 8).
+COLUMN_SITE_BLOCK = 2
 
 class FullRouting:
     """State of chunked full-mode routing for one forward pass (see module docstring)."""
@@ -279,7 +281,7 @@ class FullRouting:
         launch(kern._prefix_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, self.k_blocks),
             self.rows, self.z, m, l, acc,
             s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
-            C_P=c_p, BLOCK_T=block_t, K_W=self.k_w, ACC=self.acc_tl, UNROLL=self.prefix_unroll,
+            C_P=c_p, BLOCK_T=block_t, K_W=self.k_w, ACC=self.acc_tl, UNROLL=self.prefix_unroll, R_B=PREFIX_ROW_BLOCK,
             num_warps=self.prefix_warps or self.num_warps, key=self._key,
         )
 
