@@ -109,14 +109,15 @@ class FullAttnRes(RoutedResidual):
     """Full attention residuals over the embedding and every raw sublayer output. heads=1: single-head.
 
     backend="triton" routes through mhar_lit.kernels.full_routing.FullRouting (chunked cross-site reuse):
-    `triton_chunk` sites share one forward prefix pass, `triton_group` sources one backward suffix pass.
+    `triton_chunk` sites share one forward prefix pass, `triton_group` sources one backward suffix pass (None:
+    FullRouting's measured defaults, DEFAULT_CHUNK / DEFAULT_GROUP).
     That path needs every site exactly once per forward pass and the backward in reverse order; activation
     checkpointing that recomputes routing raises a RuntimeError (checkpointing sublayers is fine).
     `triton_options` are further FullRouting keywords (kernel versions and tiles, e.g. suffix_impl="fma").
     """
 
     def __init__(self, heads: int = 8, backend: str = "torch", random_query_init: bool = False,
-                 eps: float = 1e-6, triton_chunk: int = 4, triton_group: int = 8,
+                 eps: float = 1e-6, triton_chunk: Optional[int] = None, triton_group: Optional[int] = None,
                  triton_options: Optional[dict] = None) -> None:
         super().__init__(heads=heads, backend=backend, random_query_init=random_query_init, eps=eps)
         self.triton_chunk = triton_chunk
@@ -151,8 +152,9 @@ class FullAttnRes(RoutedResidual):
     def _triton_begin(self, embedding: Tensor) -> _TritonState:
         from mhar_lit.kernels.full_routing import FullRouting
 
-        routing = FullRouting(embedding, self.query, self.key_norm, self.heads, self.eps,
-                              chunk=self.triton_chunk, group=self.triton_group, **self.triton_options)
+        sizes = {k: v for k, v in (("chunk", self.triton_chunk), ("group", self.triton_group)) if v is not None}
+        routing = FullRouting(embedding, self.query, self.key_norm, self.heads, self.eps, **sizes,
+                              **self.triton_options)
         return _TritonState(routing, embedding, 1)
 
     def _triton_route(self, state: _TritonState, site: int) -> Tensor:
