@@ -77,7 +77,9 @@ SUFFIX_SITE_BLOCK = 16  # later sites per step of the "dot" suffix (likewise)
 # In-group sites per step of the column kernel (their loads issued together). H200, 2026-12-04 (group 16): 2 beat
 # 4 and 1 at every shape (captured routing 5.54 / 6.66 / 8.41 ms against 5.99 / 6.69 / 8.93 with 4 and group 8).
 COLUMN_SITE_BLOCK = 2
-QUERY_GRAD_SPAN = 16  # sources per program of the dq/dg pass (its loop of dependent products)
+# Sources per program of the dq/dg pass; 0: all of them (one span). H200, 2026-12-04 (session 10, call 8): spans
+# of 16 were slower than one (0.35 -> 0.38 / 0.33 -> 0.37 / 0.54 -> 0.69 ms): more partials, same row reads.
+QUERY_GRAD_SPAN = 0
 
 class FullRouting:
     """State of chunked full-mode routing for one forward pass (see module docstring)."""
@@ -135,9 +137,10 @@ class FullRouting:
                 raise ValueError(f"{name} ({value}) must be 0 (automatic) or a power of two"
                                  + (" >= 16 (a tensor-core product's column slice)" if name == "keypath_width" else ""))
         self.column_sites = column_sites or COLUMN_SITE_BLOCK
-        if query_grad_span < 1:
-            raise ValueError(f"query_grad_span ({query_grad_span}) must be >= 1 (sources per dq/dg program)")
-        self.query_grad_span = query_grad_span
+        if query_grad_span < 0:
+            raise ValueError(f"query_grad_span ({query_grad_span}) must be >= 0 (sources per dq/dg program; "
+                             "0: all)")
+        self.query_grad_span = query_grad_span or n
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)
         self.p, self.k = b * t, d // heads
@@ -385,8 +388,8 @@ class FullRouting:
 
     def _query_grad(self) -> Tensor:
         """A [N, D] from every pair's dl and kr (one launch once all dl exist); dq = A g, dg = A q. The
-        sources are split into spans of at most query_grad_span, each span's programs writing their own
-        partial."""
+        sources may be split into spans of at most query_grad_span (each span's programs write their own
+        partial; by default one span)."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
         blocks, spans = triton.cdiv(p, DOT_TOKENS), triton.cdiv(n, self.query_grad_span)
         span = triton.cdiv(n, spans)  # balanced: 73 sources as 5 spans of 15, not 4 x 16 + 9

@@ -143,7 +143,7 @@ def test_query_grad_spans_only_regroup_the_sum():
     the same, and both match float64."""
     gen = fresh_generator()
     problem = full_mode_problem(9, 2, 3, 24, gen)
-    whole = full_mode_output_and_grads("triton", *problem, 2, torch.float32, chunk=3, group=2)
+    whole = full_mode_output_and_grads("triton", *problem, 2, torch.float32, chunk=3, group=2)  # one span
     exact = full_mode_output_and_grads("torch", *problem, 2, torch.float64)
     ref32 = full_mode_output_and_grads("torch", *problem, 2, torch.float32)
     for span in (1, 2, 4):  # 9, 5 and 3 spans (the last ones shorter)
@@ -181,7 +181,7 @@ def test_column_blocks_change_nothing():
     (dict(suffix_impl="wmma"), "suffix_impl must be one of"),
     (dict(keypath_width=8), "keypath_width"),
     (dict(column_sites=3), "column_sites"),
-    (dict(query_grad_span=0), "query_grad_span"),
+    (dict(query_grad_span=-1), "query_grad_span"),
     (dict(prefix_impl="wmma"), "prefix_impl must be one of"),
     (dict(prefix_tokens=6), "prefix_tokens"),
     (dict(column_width=3), "column_width 3 must be a power of two dividing"),
