@@ -802,22 +802,17 @@ def _keypath_kernel(rows_ptr, r_ptr, w_hi_ptr, w_lo_ptr, dl_ptr, dvp_ptr, c_ptr,
         tl.store(dsrc_ptr + tile, _to_storage(out, dsrc_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["j_span"])
-def _query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, P, D, H, K, j_span,
+@triton.jit
+def _query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, P, D, H, K,
                        BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
                        PREC: tl.constexpr):
     """A_s = sum over sources j <= s and tokens of dl(s, j) kr_j, per head, once at the end of the
-    backward (dq = A g, dg = A q on the host). One program: a token block, a head, a K_B-wide column slice
-    and a span of j_span sources (grid axis 2 = column slice x source span): over its sources j it
-    accumulates dl_j^T [sites, BLOCK_T] @ kr_j [BLOCK_T, K_B] on tensor cores and writes its partial
-    a[pid_t, span, sites, columns] (summed on the host, fixed order). Spans of sources keep the loop of
-    dependent products short: one program per token block, head and slice looped over all 73 sources
-    at 1B."""
+    backward (dq = A g, dg = A q on the host). One program: a token block, a head and a K_B-wide column
+    slice; over the sources j it accumulates dl_j^T [sites, BLOCK_T] @ kr_j [BLOCK_T, K_B] on tensor cores
+    and writes its partial a[pid_t, sites, columns] (summed over token blocks on the host, fixed order)."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
-    n_spans = tl.cdiv(N, j_span)
-    span = tl.program_id(2) % n_spans
-    k0 = (tl.program_id(2) // n_spans) * K_B
+    k0 = tl.program_id(2) * K_B
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_s = tl.arange(0, S_P)
     offs_b = tl.arange(0, K_B)
@@ -829,8 +824,7 @@ def _query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, P, D, H, K, j_span,
     row_stride = (tl.full([], 0, tl.int64) + P) * D
     store_ty = rows_ptr.dtype.element_ty
     a = tl.zeros([S_P, K_B], ACC)
-    j_lo = span * j_span
-    for j in range(j_lo, tl.minimum(j_lo + j_span, N)):
+    for j in range(0, N):
         mask_s = (offs_s >= j) & (offs_s < N)
         pair = _pair_row(j, tl.maximum(offs_s, j), N)
         dl = tl.load(dl_ptr + (pair[:, None] * H + h) * P + offs_t[None, :],
@@ -839,5 +833,5 @@ def _query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, P, D, H, K, j_span,
         v = tl.load(rows_ptr + j * row_stride + tile, mask=mask, other=0.0).to(ACC)
         kr = _mma_operand(_to_storage(v * r[:, None], store_ty), store_ty, ACC)  # exact in the storage dtype
         a = _mma_weights(dl, kr, a, store_ty, ACC, PREC)
-    part = (pid_t * n_spans + span).to(tl.int64) * N
-    tl.store(a_ptr + (part + offs_s[:, None]) * D + col[None, :], a, mask=(offs_s[:, None] < N) & mask_b[None, :])
+    tl.store(a_ptr + (pid_t * N + offs_s[:, None]).to(tl.int64) * D + col[None, :], a,
+             mask=(offs_s[:, None] < N) & mask_b[None, :])

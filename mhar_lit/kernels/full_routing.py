@@ -77,9 +77,6 @@ SUFFIX_SITE_BLOCK = 16  # later sites per step of the "dot" suffix (likewise)
 # In-group sites per step of the column kernel (their loads issued together). H200, 2026-12-04 (group 16): 2 beat
 # 4 and 1 at every shape (captured routing 5.54 / 6.66 / 8.41 ms against 5.99 / 6.69 / 8.93 with 4 and group 8).
 COLUMN_SITE_BLOCK = 2
-# Sources per program of the dq/dg pass; 0: all of them (one span). H200, 2026-12-04 (session 10, call 8): spans
-# of 16 were slower than one (0.35 -> 0.38 / 0.33 -> 0.37 / 0.54 -> 0.69 ms): more partials, same row reads.
-QUERY_GRAD_SPAN = 0
 
 class FullRouting:
     """State of chunked full-mode routing for one forward pass (see module docstring)."""
@@ -92,7 +89,7 @@ class FullRouting:
                  column_tokens: int = 0, column_warps: int = 0, prefix_impl: str = DEFAULT_PREFIX_IMPL,
                  prefix_tokens: int = 0, prefix_warps: int = 0, column_width: int = 0,
                  keypath_tokens: int = 0, keypath_warps: int = 0, keypath_width: int = 0,
-                 column_sites: int = 0, query_grad_span: int = QUERY_GRAD_SPAN) -> None:
+                 column_sites: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -137,10 +134,6 @@ class FullRouting:
                 raise ValueError(f"{name} ({value}) must be 0 (automatic) or a power of two"
                                  + (" >= 16 (a tensor-core product's column slice)" if name == "keypath_width" else ""))
         self.column_sites = column_sites or COLUMN_SITE_BLOCK
-        if query_grad_span < 0:
-            raise ValueError(f"query_grad_span ({query_grad_span}) must be >= 0 (sources per dq/dg program; "
-                             "0: all)")
-        self.query_grad_span = query_grad_span or n
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)
         self.p, self.k = b * t, d // heads
@@ -387,15 +380,12 @@ class FullRouting:
         return dsrc_PD
 
     def _query_grad(self) -> Tensor:
-        """A [N, D] from every pair's dl and kr (one launch once all dl exist); dq = A g, dg = A q. The
-        sources may be split into spans of at most query_grad_span (each span's programs write their own
-        partial; by default one span)."""
+        """A [N, D] from every pair's dl and kr (one launch once all dl exist); dq = A g, dg = A q."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
-        blocks, spans = triton.cdiv(p, DOT_TOKENS), triton.cdiv(n, self.query_grad_span)
-        span = triton.cdiv(n, spans)  # balanced: 73 sources as 5 spans of 15, not 4 x 16 + 9
-        a_part = torch.empty(blocks * spans, n, d, dtype=self.acc_t, device=self.device)
-        launch(kern._query_grad_kernel, (blocks, self.heads, triton.cdiv(self.k, self.k_b) * spans),
-            self.rows, self.r, bw["dl"], a_part, n, p, d, self.heads, self.k, span,
+        blocks = triton.cdiv(p, DOT_TOKENS)
+        a_part = torch.empty(blocks, n, d, dtype=self.acc_t, device=self.device)
+        launch(kern._query_grad_kernel, (blocks, self.heads, triton.cdiv(self.k, self.k_b)),
+            self.rows, self.r, bw["dl"], a_part, n, p, d, self.heads, self.k,
             BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n), ACC=self.acc_tl, PREC=self.prec, num_warps=4,
             key=self._key,
         )

@@ -137,26 +137,6 @@ def test_unroll_and_tiling_change_nothing():
             assert rel(a, b) <= 1e-6, f"{impl} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
 
 
-def test_query_grad_spans_only_regroup_the_sum():
-    """The dq/dg pass splits the sources into spans, each with its own partial (query_grad_span): only the
-    order of the fp32 sum over sources changes (dq, dg within 1e-6 of one span), everything else is bitwise
-    the same, and both match float64."""
-    gen = fresh_generator()
-    problem = full_mode_problem(9, 2, 3, 24, gen)
-    whole = full_mode_output_and_grads("triton", *problem, 2, torch.float32, chunk=3, group=2)  # one span
-    exact = full_mode_output_and_grads("torch", *problem, 2, torch.float64)
-    ref32 = full_mode_output_and_grads("torch", *problem, 2, torch.float32)
-    for span in (1, 2, 4):  # 9, 5 and 3 spans (the last ones shorter)
-        split = full_mode_output_and_grads("triton", *problem, 2, torch.float32, chunk=3, group=2,
-                                           query_grad_span=span)
-        for name, a, b, x, r in zip(NAMES, split, whole, exact, ref32):
-            if name in ("d_query", "d_norm_weight"):
-                assert rel(a, b) <= 1e-6, f"span {span}: {name} {rel(a, b):.1e} (seed {gen.initial_seed()})"
-            else:
-                assert torch.equal(a, b), f"span {span}: {name} differs by {rel(a, b):.1e}"
-            assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), f"{name}: {rel(a, x):.1e} (seed {gen.initial_seed()})"
-
-
 def test_column_blocks_change_nothing():
     """The forward prefix and merge passes can split a head's columns over programs (column_width; by default
     for widths like 1B's 160 = 5 x 32). Every column's sums are the same, so the result is bitwise equal to
@@ -181,7 +161,6 @@ def test_column_blocks_change_nothing():
     (dict(suffix_impl="wmma"), "suffix_impl must be one of"),
     (dict(keypath_width=8), "keypath_width"),
     (dict(column_sites=3), "column_sites"),
-    (dict(query_grad_span=-1), "query_grad_span"),
     (dict(prefix_impl="wmma"), "prefix_impl must be one of"),
     (dict(prefix_tokens=6), "prefix_tokens"),
     (dict(column_width=3), "column_width 3 must be a power of two dividing"),
