@@ -698,7 +698,7 @@ def _column_bwd_kernel(
     tl.store(S_ptr + src * P * H + th, S, mask=mask_t)
     tl.store(dl_ptr + pair0 * H * P + zt, dl, mask=mask_t)
     # in-group sites (their dout and S already sit in the buffers), J_B per step as one [BLOCK_T, J_B, K_P]
-    # tile: the loads of J_B rows are issued together instead of one row's per loop step
+    # tile; each step's loads were issued one step ahead (_in_group_loads), before the previous dl store
     for s0 in range(src + 1, g_end, J_B):
         s = s0 + offs_j
         mask_tj = mask_t[:, None] & (s < g_end)[None, :]
@@ -754,7 +754,10 @@ def _keypath_slice_loads(rows_ptr, w_hi_ptr, w_lo_ptr, dvp_ptr, src, offs_t, mas
     w_off = (src + offs_s)[:, None] * D + col[None, :]
     mask_w = mask_s[:, None] & mask_b[None, :]
     w_hi = tl.load(w_hi_ptr + w_off, mask=mask_w, other=0.0)
-    w_lo = tl.load(w_lo_ptr + w_off, mask=mask_w, other=0.0)
+    if w_hi_ptr.dtype.element_ty == tl.bfloat16:  # the second term exists only for bf16 storage
+        w_lo = tl.load(w_lo_ptr + w_off, mask=mask_w, other=0.0)
+    else:
+        w_lo = w_hi
     tile = offs_t[:, None].to(tl.int64) * D + col[None, :]
     mask = mask_t[:, None] & mask_b[None, :]
     v = tl.load(rows_ptr + row_off + tile, mask=mask, other=0.0)

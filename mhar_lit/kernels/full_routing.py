@@ -52,7 +52,9 @@ from mhar_lit.kernels.routing_triton import (accumulator, check_device, check_st
 # of the v2 grid was best at every shape (100M: 4/8/2 warps/4096; 350M: 4/8/2/2048; 1B: 8/4/2/2048); these
 # are the 350M best and within 1.35x of the best elsewhere (try-2 kernels). The suffix pass picks its own tokens and warps.
 DEFAULT_CHUNK = 4  # C: sites per forward prefix pass
-DEFAULT_GROUP = 16  # G: sources per backward suffix pass (H200, 2026-12-04: 16 beat 8 and 12 with column_sites 2)
+# G: sources per backward suffix pass (H200, 2026-12-04: 16 beat 8 and 12 with column_sites 2). Its fp32 value-path
+# buffer is [G, tokens, d]; peak memory stayed at 1.02 / 1.04 / 1.04x the baseline (it is not alive at the peak).
+DEFAULT_GROUP = 16
 DEFAULT_WARPS = 2
 DEFAULT_TILE = 2048  # elements of one register tile (fixes tokens per program)
 DOT_TOKENS = 64  # tokens per program of the tensor-core kernels (logits, key path, dq/dg)
@@ -72,7 +74,8 @@ DEFAULT_SUFFIX_UNROLL = 0
 PASS_IMPLS = ("fma", "dot")
 DEFAULT_PREFIX_IMPL = "fma"
 DEFAULT_SUFFIX_IMPL = "dot"
-PREFIX_ROW_BLOCK = 16  # rows per step of the "dot" prefix (a tensor-core product's smallest size)
+PREFIX_ROW_BLOCK = 16  # rows per step of the "dot" prefix (a tensor-core product's smallest size) and, at most,
+# of the fma prefix's max loop (a [C_P, tokens, rows] tile of logits; fewer rows when the token tile is large)
 SUFFIX_SITE_BLOCK = 16  # later sites per step of the "dot" suffix (likewise)
 # In-group sites per step of the column kernel (their loads issued together). H200, 2026-12-04 (group 16): 2 beat
 # 4 and 1 at every shape (captured routing 5.54 / 6.66 / 8.41 ms against 5.99 / 6.69 / 8.93 with 4 and group 8).
@@ -139,6 +142,9 @@ class FullRouting:
         self.p, self.k = b * t, d // heads
         self.h_p, self.k_p = pow2(heads), pow2(self.k)
         self.k_b = 32 if self.k >= 32 else 16  # column slice of the tensor-core products
+        if keypath_width > dot_dim(self.k):
+            raise ValueError(f"keypath_width ({keypath_width}) is wider than the padded head ({dot_dim(self.k)} "
+                             f"columns for head width {self.k})")
         self.keypath_k_b = keypath_width or self.k_b
         self.k_split = dot_split(self.k)  # the "dot" passes' head columns: two power-of-two slices
         self.k_w = column_block(self.k, column_width)  # the forward passes' columns per program
@@ -281,7 +287,8 @@ class FullRouting:
         launch(kern._prefix_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, self.k_blocks),
             self.rows, self.z, m, l, acc,
             s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
-            C_P=c_p, BLOCK_T=block_t, K_W=self.k_w, ACC=self.acc_tl, UNROLL=self.prefix_unroll, R_B=PREFIX_ROW_BLOCK,
+            C_P=c_p, BLOCK_T=block_t, K_W=self.k_w, ACC=self.acc_tl, UNROLL=self.prefix_unroll,
+            R_B=max(1, min(PREFIX_ROW_BLOCK, pow2_floor(self.tile // (c_p * block_t)))),
             num_warps=self.prefix_warps or self.num_warps, key=self._key,
         )
 
@@ -390,6 +397,11 @@ class FullRouting:
             key=self._key,
         )
         return a_part.sum(0)
+
+
+def pow2_floor(n: int) -> int:
+    """The largest power of two <= n (1 for n < 2)."""
+    return 1 << max(0, n.bit_length() - 1)
 
 
 def aligned(x: Tensor) -> bool:

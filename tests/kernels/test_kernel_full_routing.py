@@ -131,10 +131,42 @@ def test_unroll_and_tiling_change_nothing():
     for impl in IMPLS:  # other token tiles, warps and column tiles, for every kernel version
         tiled = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, suffix_tokens=8,
                                   suffix_warps=8, prefix_tokens=4, prefix_warps=2, column_tokens=2,
-                                  column_warps=4, keypath_tokens=16, keypath_warps=2, keypath_width=32,
+                                  column_warps=4, keypath_tokens=16, keypath_warps=2, keypath_width=16,
                                   column_sites=1, **impl)
         for name, a, b in zip(NAMES, tiled, base):
             assert rel(a, b) <= 1e-6, f"{impl} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
+
+
+def test_keypath_slices_and_column_steps_match_float64():
+    """K = 48: the key path in 16-wide column slices (three, prefetched one ahead) or one padded 64-wide slice,
+    and the column kernel's in-group sites in steps of 1, 2 or 4 (group 5: several steps, a partial last one)
+    all match float64 as the default tiles do."""
+    gen = fresh_generator()
+    problem = full_mode_problem(11, 2, 3, 96, gen)
+    exact = full_mode_output_and_grads("torch", *problem, 2, torch.float64)
+    ref32 = full_mode_output_and_grads("torch", *problem, 2, torch.float32)
+    for knobs in (dict(keypath_width=16), dict(keypath_width=64), dict(column_sites=1), dict(column_sites=2),
+                  dict(column_sites=4, keypath_width=16)):
+        got = full_mode_output_and_grads("triton", *problem, 2, torch.float32, chunk=3, group=5, **knobs)
+        for name, a, x, r in zip(NAMES, got, exact, ref32):
+            assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), (
+                f"{knobs} {name}: {rel(a, x):.1e}, fp32 reference {rel(r, x):.1e} (seed {gen.initial_seed()})")
+
+
+def test_w_terms_split_w_into_two_bf16_terms():
+    """With bf16 storage w = q g goes to the tensor cores as hi + lo: hi is w rounded to bf16 (nearest even),
+    lo the rounded rest, |w - hi - lo| <= 2^-17 |w| (the bound the kernels' error budget uses); other storage
+    dtypes get w itself."""
+    gen = fresh_generator()
+    emb = torch.randn(1, 4, 64, generator=gen)
+    q, g = torch.randn(5, 64, generator=gen), torch.randn(5, 64, generator=gen).exp()
+    routing = FullRouting(emb.to(torch.bfloat16), q, g, 4)
+    hi, lo = routing.w_terms
+    w = q * g
+    assert hi.dtype == lo.dtype == torch.bfloat16 and torch.equal(hi, w.to(torch.bfloat16))
+    assert ((w - hi.float() - lo.float()).abs() <= 2.0 ** -17 * w.abs()).all()
+    hi32, lo32 = FullRouting(emb, q, g, 4).w_terms
+    assert hi32.dtype == torch.float32 and torch.equal(hi32, w) and torch.equal(lo32, w)
 
 
 def test_column_blocks_change_nothing():
@@ -160,6 +192,8 @@ def test_column_blocks_change_nothing():
     (dict(suffix_warps=-1), "suffix_warps"),
     (dict(suffix_impl="wmma"), "suffix_impl must be one of"),
     (dict(keypath_width=8), "keypath_width"),
+    (dict(keypath_width=-16), "keypath_width"),
+    (dict(keypath_width=1024), "wider than the padded head"),
     (dict(column_sites=3), "column_sites"),
     (dict(prefix_impl="wmma"), "prefix_impl must be one of"),
     (dict(prefix_tokens=6), "prefix_tokens"),
