@@ -2,7 +2,8 @@
 for a GPU target, on a machine without one: the launches are recorded instead of run (on CPU tensors whose values are never read), then
 each distinct kernel configuration is compiled to a cubin with Triton's bundled ptxas. This catches the
 compile errors that the interpreter does not (a loop-carried variable that changes type, a product shape
-the tensor cores refuse) before any GPU time is spent, and reports registers and spill stack per kernel.
+the tensor cores refuse) before any GPU time is spent, and reports registers, spill stack, shared memory and
+the number of asynchronous-copy instructions (nonzero where Triton software-pipelined a loop's loads) per kernel.
 
     python benchmarks/compile_check.py [--shapes 100M 350M 1B] [--dtype bf16|fp32] [--arch 90]
                                        [--mode full|block] [knob=value ...]  (the routing class's keywords,
@@ -122,7 +123,10 @@ def compile_all(shape_names, dtype, knobs, arch=90, mode="full"):
             try:
                 compiled = triton_compile(ASTSource(kernel, sig, constexprs, attrs), target=target,
                                           options=dict(num_warps=warps))
-                print(f"{label}  {_usage(compiled.asm['cubin'])}", flush=True)
+                shared = getattr(compiled.metadata, "shared", "?")
+                ptx = compiled.asm.get("ptx", "")
+                asyncs = ptx.count("cp.async.ca") + ptx.count("cp.async.cg") + ptx.count("cp.async.bulk")
+                print(f"{label}  {_usage(compiled.asm['cubin'])} smem {shared} async copies {asyncs}", flush=True)
             except Exception as err:  # report every failing configuration, not only the first
                 failures += 1
                 print(f"{label}  FAILED: {str(err)[-800:]}", flush=True)

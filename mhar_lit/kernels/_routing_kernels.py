@@ -10,8 +10,10 @@ cross-head coupling term of the RMSNorm backward.
 Full-mode path (full_routing.py): `_append_kernel` writes a source into the shared buffer with its
 statistic; `_logits_kernel` writes its logits against every later site into the pair table z [pairs, H, P]
 (tensor cores); `_prefix_fwd_kernel` and `_merge_fwd_kernel` mix rows with the logits from z; backward:
-`_suffix_bwd_kernel` (one read of a group's rows and of every later dout), `_column_bwd_kernel` (in-group
-pairs), `_keypath_kernel` and `_query_grad_kernel` (tensor-core contractions over sites and tokens).
+`_suffix_bwd_kernel` (one read of a group's rows and of every later dout), then per source either
+`_column_row_bwd_kernel` (full rows: in-group pairs, key path and coupling in one pass) or, per head,
+`_column_bwd_kernel` (in-group pairs) and `_keypath_kernel`; `_query_grad_kernel` (tensor-core contractions
+over sites and tokens).
 
 Math per (site s, source n, position, head h), with w = q_s * g_s folded in the compute dtype ACC:
     kr      = round_storage(v_n * r_n)                  the reference's key rounding, before g
@@ -201,7 +203,7 @@ def _prefix_fwd_kernel(
     rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr,
     n_rows, site_lo, n_sites, N, P, D, H, K,
     C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_W: tl.constexpr, ACC: tl.constexpr, UNROLL: tl.constexpr,
-    R_B: tl.constexpr,
+    R_B: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Prefix pass of a chunk, one head and K_W of its columns: every row in [0, n_rows) is read once and
     mixed into the C sites [site_lo, site_lo + n_sites). The logits come from the pair table z (computed
@@ -239,7 +241,8 @@ def _prefix_fwd_kernel(
     acc = tl.zeros([C_P, BLOCK_T, K_W], ACC)
     # UNROLL rows per step, their loads issued together: a program holds little data, so one row's load at
     # a time leaves the loop waiting on memory latency; masked rows (past n_rows) add exact zeros.
-    for n in range(0, n_rows, UNROLL):
+    # STAGES > 1: software-pipelined by Triton (the loads become asynchronous copies STAGES - 1 steps ahead)
+    for n in tl.range(0, n_rows, UNROLL, num_stages=STAGES):
         z0 = _prefix_logits(z_ptr, z_CT, mask_CT, n, n_rows, site_lo, N, H, P)
         v0 = _prefix_row(rows_ptr, tile_TK, mask_TK, n, n_rows, row_stride)
         if UNROLL >= 2:
@@ -712,6 +715,114 @@ def _column_bwd_kernel(
         tl.store(dl_ptr + zj, dl_j, mask=mask_tj)
     tl.store(dvp_ptr + tile, dv, mask=mask)
     tl.store(c_ptr + zt, c, mask=mask_t)
+
+
+@triton.jit
+def _row_site_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, s, g_end, pair0, src, tile, mask, th, zth, mask_th,
+                    col_HK, mask_hk, row_stride, P, D, H):
+    """What the full-row column kernel reads of in-group site s (< g_end, else zeros): dout [BLOCK_T, H_P, K_P]
+    (storage dtype), S, logit and lse [BLOCK_T, H_P], and w_s = q_s g_s [H_P, K_P]."""
+    ok = s < g_end
+    dout = tl.load(dout_buf_ptr + s * row_stride + tile, mask=mask & ok, other=0.0)
+    S = tl.load(S_ptr + s * P * H + th, mask=mask_th & ok, other=0.0)
+    logit = tl.load(z_ptr + (pair0 + s - src) * H * P + zth, mask=mask_th & ok, other=0.0)
+    lse = tl.load(lse_ptr + s * P * H + th, mask=mask_th & ok, other=0.0)
+    w = tl.load(w_ptr + s * D + col_HK, mask=mask_hk & ok, other=0.0)
+    return dout, S, logit, lse, w
+
+
+@triton.jit
+def _row_suffix_loads(dl_ptr, z_ptr, w_ptr, s, pair0, src, N, zth, mask_th, col_HK, mask_hk, P, D, H):
+    """A suffix pair (s, src), s >= g_end, of the full-row column kernel: its dl and logit [BLOCK_T, H_P] (from
+    the suffix pass and the forward) and w_s [H_P, K_P]; zeros for s >= N."""
+    ok = s < N
+    off = (pair0 + s - src) * H * P + zth
+    dl = tl.load(dl_ptr + off, mask=mask_th & ok, other=0.0)
+    logit = tl.load(z_ptr + off, mask=mask_th & ok, other=0.0)
+    w = tl.load(w_ptr + s * D + col_HK, mask=mask_hk & ok, other=0.0)
+    return dl, logit, w
+
+
+@triton.jit(do_not_specialize=["src", "g_end", "part_slot"])
+def _column_row_bwd_kernel(
+    rows_ptr, r_ptr, w_ptr, lse_ptr, S_ptr, dout_buf_ptr, dout_new_ptr, out_new_ptr,
+    z_ptr, dl_ptr, part_dv_ptr, dsrc_ptr,
+    src, g_end, part_slot, N, P, D, H, K,
+    HAS_SUFFIX: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+):
+    """Full-mode backward of site `src` on full rows (every head of a token block in one program): the work of
+    _column_bwd_kernel and _keypath_kernel in one pass, so the fp32 value-path gradient and the coupling never
+    go through memory. The RMSNorm coupling sums over heads, which is why per-head programs need two kernels.
+
+    Per pair (s, src), head h: alpha = exp(logit - lse_s), dl = alpha (<dout_s, v>_h - S_s), and the source
+    gradient before the coupling gets alpha dout_s + r dl w_s (value and key path: w_s = q_s g_s in fp32, one
+    FMA per element); c = sum over pairs and heads of dl logit. In-group sites s in [src, g_end) are computed
+    here (dl stored for dq/dg); the suffix pairs s >= g_end bring dl from the suffix pass (its value path is
+    in part_dv) and add only their key path. dsrc = that + part_dv - r^2/D c v, written once.
+    Every load of a step is issued before the step's stores (see _column_bwd_kernel)."""
+    pid_t = tl.program_id(0)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.arange(0, H_P)
+    offs_k = tl.arange(0, K_P)
+    mask_t = offs_t < P
+    mask_hk = (offs_h[:, None] < H) & (offs_k[None, :] < K)
+    col_HK = offs_h[:, None] * K + offs_k[None, :]
+    tile = offs_t[:, None, None].to(tl.int64) * D + col_HK[None, :, :]
+    mask = mask_t[:, None, None] & mask_hk[None, :, :]
+    mask_th = mask_t[:, None] & (offs_h[None, :] < H)
+    th = offs_t[:, None].to(tl.int64) * H + offs_h[None, :]  # [N, P, H] tensors (lse, S)
+    zth = offs_h[None, :] * P + offs_t[:, None].to(tl.int64)  # [pairs, H, P] tensors (z, dl)
+    row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
+    pair0 = _pair_row(src, src, N)
+
+    dout_raw = tl.load(dout_new_ptr + tile, mask=mask, other=0.0)
+    out_new = tl.load(out_new_ptr + tile, mask=mask, other=0.0)
+    v_raw = tl.load(rows_ptr + src * row_stride + tile, mask=mask, other=0.0)  # kept in storage dtype: registers
+    r = tl.load(r_ptr + src * P + offs_t, mask=mask_t, other=0.0).to(ACC)
+    logit = tl.load(z_ptr + pair0 * H * P + zth, mask=mask_th, other=0.0)
+    lse = tl.load(lse_ptr + src * P * H + th, mask=mask_th, other=0.0)
+    w = tl.load(w_ptr + src * D + col_HK, mask=mask_hk, other=0.0)
+    if HAS_SUFFIX:
+        part_dv = tl.load(part_dv_ptr + part_slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
+    dout_j, S_j, logit_j, lse_j, w_j = _row_site_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, src + 1, g_end,
+                                                      pair0, src, tile, mask, th, zth, mask_th, col_HK, mask_hk,
+                                                      row_stride, P, D, H)
+
+    dout = dout_raw.to(ACC)
+    S = tl.sum(dout * out_new.to(ACC), axis=2)
+    alpha = tl.exp(logit - lse)
+    dl = alpha * (tl.sum(dout * v_raw.to(ACC), axis=2) - S)
+    dv = alpha[:, :, None] * dout + (dl * r[:, None])[:, :, None] * w[None, :, :]
+    c = dl * logit
+    tl.store(dout_buf_ptr + src * row_stride + tile, dout_raw, mask=mask)
+    tl.store(S_ptr + src * P * H + th, S, mask=mask_th)
+    tl.store(dl_ptr + pair0 * H * P + zth, dl, mask=mask_th)
+    # in-group sites (their dout and S already sit in the buffers), each step's loads issued one step ahead
+    for s in range(src + 1, g_end):
+        d_s = dout_j.to(ACC)
+        alpha_s = tl.where(mask_th, tl.exp(logit_j - lse_j), 0.0)
+        dl_s = alpha_s * (tl.sum(d_s * v_raw.to(ACC), axis=2) - S_j)
+        dv += alpha_s[:, :, None] * d_s + (dl_s * r[:, None])[:, :, None] * w_j[None, :, :]
+        c += dl_s * logit_j
+        z_off = (pair0 + s - src) * H * P + zth
+        dout_j, S_j, logit_j, lse_j, w_j = _row_site_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, s + 1, g_end,
+                                                          pair0, src, tile, mask, th, zth, mask_th, col_HK,
+                                                          mask_hk, row_stride, P, D, H)
+        tl.store(dl_ptr + z_off, dl_s, mask=mask_th)
+    if HAS_SUFFIX:
+        # the suffix pairs' key path (their value path is part_dv); no stores, so loads run one site ahead
+        dv += part_dv
+        dl_s, logit_s, w_s = _row_suffix_loads(dl_ptr, z_ptr, w_ptr, g_end, pair0, src, N, zth, mask_th, col_HK,
+                                               mask_hk, P, D, H)
+        for s in range(g_end, N):
+            dl_n, logit_n, w_n = _row_suffix_loads(dl_ptr, z_ptr, w_ptr, s + 1, pair0, src, N, zth, mask_th,
+                                                   col_HK, mask_hk, P, D, H)
+            dv += (dl_s * r[:, None])[:, :, None] * w_s[None, :, :]
+            c += dl_s * logit_s
+            dl_s, logit_s, w_s = dl_n, logit_n, w_n
+    cr = r * r * tl.sum(c, axis=1) / D  # the coupling summed over heads
+    dsrc = dv - cr[:, None, None] * v_raw.to(ACC)
+    tl.store(dsrc_ptr + tile, _to_storage(dsrc, dsrc_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -21,9 +21,10 @@ Forward. Sources go into one shared buffer rows[n, P, D] (storage dtype) with th
 Backward. Sources are grouped into groups of G. When the backward reaches the last site of a group, one
 suffix pass reads the group's rows once and every later site's dout once: per pair one K-reduction
 (<dout, v>) and one FMA (value path), by default as two small tensor-core products per token (see
-PASS_IMPLS); it writes dl and the group's partial gradients. Each site's backward
-then finishes its own source with the in-group sites (full rows), and a tensor-core pass adds the key
-path of all its pairs through the RMSNorm (dl @ w). dq, dg come from one tensor-core pass at the end
+PASS_IMPLS); it writes dl and the group's partial gradients. Each site's backward then finishes its own
+source with the in-group sites, either per head (column kernel, then a tensor-core pass that adds the key path
+of all its pairs through the RMSNorm, dl @ w) or on full rows in one pass (COLUMN_IMPLS; by default at the 100M
+shape, with one group of all sites and so no suffix pass). dq, dg come from one tensor-core pass at the end
 (sum over pairs and tokens of dl kr) with per-block partials summed on the host in a fixed order:
 deterministic, no atomics. They are returned with the last backward call (site 0), which owns the full
 query/key-norm parameters as autograd inputs.
@@ -52,8 +53,10 @@ from mhar_lit.kernels.routing_triton import (accumulator, check_device, check_st
 # of the v2 grid was best at every shape (100M: 4/8/2 warps/4096; 350M: 4/8/2/2048; 1B: 8/4/2/2048); these
 # are the 350M best and within 1.35x of the best elsewhere (try-2 kernels). The suffix pass picks its own tokens and warps.
 DEFAULT_CHUNK = 4  # C: sites per forward prefix pass
-# G: sources per backward suffix pass (H200, 2026-12-04: 16 beat 8 and 12 with column_sites 2). Its fp32 value-path
-# buffer is [G, tokens, d]; peak memory stayed at 1.02 / 1.04 / 1.04x the baseline (it is not alive at the peak).
+# G: sources per backward suffix pass at most (H200, 2026-12-04: 16 beat 8 and 12 with column_sites 2), spread
+# evenly over the groups that needs (balanced_group): 350M's 49 sites as 4 groups of 13, not 16 + 16 + 16 + 1
+# (captured routing 6.25 against 6.56 ms; 12: 6.40, 14: 6.33, 15: 6.42; session 12). Its fp32 value-path buffer
+# is [G, tokens, d]; peak memory stayed at 1.02 / 1.04 / 1.04x the baseline (it is not alive at the peak).
 DEFAULT_GROUP = 16
 DEFAULT_WARPS = 2
 DEFAULT_TILE = 2048  # elements of one register tile (fixes tokens per program)
@@ -66,6 +69,15 @@ UNROLL_CHOICES = (1, 2, 4)
 # 11.2 ms on 2026-12-03), 1 above (350M, K 128: 11.5 vs 16.9 ms with 4). Session 8 (column blocks, see
 # column_block): prefix unroll 2 beat 4 at 100M (0.96 vs 1.10 ms) and 1B (2.34 vs 2.84), equal at 350M.
 DEFAULT_PREFIX_UNROLL = 2
+# The fma prefix's row loop software-pipelined (tl.range num_stages; 1: not): Triton then issues its loads as
+# asynchronous copies into shared memory STAGES - 1 steps ahead, so the bytes in flight are not bounded by
+# registers. H200, 2026-12-04 (session 12, call 8), captured routing with 3 stages: 350M (rows of 128 columns,
+# 256 contiguous bytes per token) 6.26 -> 6.11 ms (prefix 1.40 -> 1.28); 100M (128 bytes) 5.02 -> 5.10; 1B (64-byte
+# column blocks) 8.33 -> 10.29 (prefix 2.27 -> 4.21). So pipelined only from PIPELINE_MIN_BYTES contiguous bytes.
+# (The column kernels' in-group loops pipelined the same way were slower at every shape: 100M 5.11-5.44, 350M
+# 6.38-6.50, 1B 8.66-8.83 ms; not kept.)
+PIPELINED_PREFIX_STAGES = 3
+PIPELINE_MIN_BYTES = 256
 DEFAULT_SUFFIX_UNROLL = 0
 # The prefix (forward) and suffix (backward) passes each have a CUDA-core version ("fma": _prefix_fwd_kernel,
 # _suffix_bwd_kernel) and a batched tensor-core one ("dot": _prefix_dot_fwd_kernel, _suffix_dot_bwd_kernel);
@@ -80,19 +92,35 @@ SUFFIX_SITE_BLOCK = 16  # later sites per step of the "dot" suffix (likewise)
 # In-group sites per step of the column kernel (their loads issued together). H200, 2026-12-04 (group 16): 2 beat
 # 4 and 1 at every shape (captured routing 5.54 / 6.66 / 8.41 ms against 5.99 / 6.69 / 8.93 with 4 and group 8).
 COLUMN_SITE_BLOCK = 2
+# How a source's backward is finished: "row", one full-row program per token block (_column_row_bwd_kernel:
+# in-group pairs, key path and the cross-head RMSNorm coupling in one pass, the key path as fp32 FMAs), or
+# "head", per-head programs (_column_bwd_kernel) that leave the fp32 value-path gradient and the coupling in
+# memory for a tensor-core key-path kernel (_keypath_kernel). H200, 2026-12-04 (routing.md, session 12): "row"
+# with one group of all sites (no suffix pass, no fp32 part_dv / dvp round trips) wins at the 100M shape (K 64,
+# 25 sites: routing kernels 4.99 vs 5.47 ms) and loses wherever sources have many later sites: with a suffix
+# pass its per-site key-path loop re-reads w_s for every 2-token block (350M: 4.81 vs 2.66 ms of column work);
+# as one group at 350M (49 sites) each source reads twice the douts (4.93 vs 3.50 ms); 1B's K 160 pads to 256.
+# So the default is "row" with group = all sites where the head width is a power of two <= 64 and there are at
+# most ROW_MAX_SITES sites, else "head" with DEFAULT_GROUP.
+COLUMN_IMPLS = ("row", "head")
+ROW_MAX_SITES = 32
+# The full-row kernel's tile: 1024 elements on 4 warps (8 per thread; 64 registers at 100M). H200, 100M: 2.52 ms
+# against 2.71 (1024 on 2 warps), 2.74 (2048 on 4), 3.02 (4096 on 8); 32 per thread spills.
+ROW_COLUMN_TILE = 1024
+ROW_COLUMN_WARPS = 4
 
 class FullRouting:
     """State of chunked full-mode routing for one forward pass (see module docstring)."""
 
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int,
-                 eps: float = 1e-6, chunk: int = DEFAULT_CHUNK, group: int = DEFAULT_GROUP,
+                 eps: float = 1e-6, chunk: int = DEFAULT_CHUNK, group: int = 0,
                  num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE,
                  prefix_unroll: int = DEFAULT_PREFIX_UNROLL, suffix_unroll: int = DEFAULT_SUFFIX_UNROLL,
                  suffix_tokens: int = 0, suffix_warps: int = 0, suffix_impl: str = DEFAULT_SUFFIX_IMPL,
                  column_tokens: int = 0, column_warps: int = 0, prefix_impl: str = DEFAULT_PREFIX_IMPL,
                  prefix_tokens: int = 0, prefix_warps: int = 0, column_width: int = 0,
                  keypath_tokens: int = 0, keypath_warps: int = 0, keypath_width: int = 0,
-                 column_sites: int = 0) -> None:
+                 column_sites: int = 0, column_impl: str = "", prefix_stages: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -102,8 +130,8 @@ class FullRouting:
                              f"must both be (sites, {d})")
         if d % heads != 0:
             raise ValueError(f"hidden size {d} is not divisible by the number of routing heads {heads}")
-        if chunk < 1 or group < 1:
-            raise ValueError(f"chunk ({chunk}) and group ({group}) must be >= 1")
+        if chunk < 1 or group < 0:
+            raise ValueError(f"chunk ({chunk}) must be >= 1 and group ({group}) >= 1 (0: by column_impl)")
         if prefix_unroll not in UNROLL_CHOICES:
             raise ValueError(f"prefix_unroll must be one of {UNROLL_CHOICES}, got {prefix_unroll}")
         if suffix_unroll not in (0, *UNROLL_CHOICES):
@@ -112,6 +140,9 @@ class FullRouting:
         for name, impl in (("prefix_impl", prefix_impl), ("suffix_impl", suffix_impl)):
             if impl not in PASS_IMPLS:
                 raise ValueError(f"{name} must be one of {PASS_IMPLS}, got {impl!r}")
+        if column_impl not in ("", *COLUMN_IMPLS):
+            raise ValueError(f"column_impl must be one of {COLUMN_IMPLS} (or '' for the default by head width), "
+                             f"got {column_impl!r}")
         for name, tokens, warps in (("suffix", suffix_tokens, suffix_warps), ("column", column_tokens, column_warps),
                                     ("prefix", prefix_tokens, prefix_warps),
                                     ("keypath", keypath_tokens, keypath_warps)):
@@ -121,6 +152,9 @@ class FullRouting:
         check_storage_dtype(embedding_BTD.dtype)
         check_device(embedding_BTD, query_SD, norm_weight_SD)
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
+        k = d // heads
+        self.column_impl = column_impl or ("row" if pow2(k) == k <= 64 and n <= ROW_MAX_SITES else "head")
+        group = group or (n if self.column_impl == "row" else balanced_group(n, DEFAULT_GROUP))
         self.chunk, self.group, self.num_warps = min(chunk, n), min(group, n), num_warps
         self.tile = tile_elements  # register tile size: fixes tokens per program (tile_tokens)
         self.prefix_unroll = prefix_unroll
@@ -137,6 +171,9 @@ class FullRouting:
                 raise ValueError(f"{name} ({value}) must be 0 (automatic) or a power of two"
                                  + (" >= 16 (a tensor-core product's column slice)" if name == "keypath_width" else ""))
         self.column_sites = column_sites or COLUMN_SITE_BLOCK
+        if prefix_stages < 0:
+            raise ValueError(f"prefix_stages ({prefix_stages}) must be 0 (by row width) or a number of loop stages >= 1")
+        self._prefix_stages = prefix_stages
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)
         self.p, self.k = b * t, d // heads
@@ -288,7 +325,7 @@ class FullRouting:
             self.rows, self.z, m, l, acc,
             s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
             C_P=c_p, BLOCK_T=block_t, K_W=self.k_w, ACC=self.acc_tl, UNROLL=self.prefix_unroll,
-            R_B=max(1, min(PREFIX_ROW_BLOCK, pow2_floor(self.tile // (c_p * block_t)))),
+            R_B=max(1, min(PREFIX_ROW_BLOCK, pow2_floor(self.tile // (c_p * block_t)))), STAGES=self.prefix_stages(),
             num_warps=self.prefix_warps or self.num_warps, key=self._key,
         )
 
@@ -329,9 +366,11 @@ class FullRouting:
             "dout": torch.empty(n, p, d, dtype=self.dtype, device=dev),
             "S": torch.empty(n, p, h, dtype=acc_t, device=dev),
             "dl": torch.empty_like(self.z),  # softmax gradient of every pair, same layout as the logits
-            "part_dv": torch.empty(self.group, p, d, dtype=acc_t, device=dev),
-            "dvp": torch.empty(p, d, dtype=acc_t, device=dev),
-            "c": torch.empty(h, p, dtype=acc_t, device=dev),  # RMSNorm coupling per head
+            # the suffix pass's value-path partials of a group (none when one group holds every site)
+            "part_dv": torch.empty(self.group, p, d, dtype=acc_t, device=dev) if self.group < n else None,
+            # per-head column kernels only: the fp32 value-path gradient and the RMSNorm coupling per head
+            "dvp": torch.empty(p, d, dtype=acc_t, device=dev) if self.column_impl == "head" else None,
+            "c": torch.empty(h, p, dtype=acc_t, device=dev) if self.column_impl == "head" else None,
         }
 
     def _suffix(self, g0: int, g_end: int) -> None:
@@ -366,13 +405,15 @@ class FullRouting:
     def _column(self, site: int, g0: int, g_end: int, out_BTD: Tensor, dout_BTD: Tensor) -> Tensor:
         """Finish source `site`: in-group pairs and value path, then the key path of all its pairs."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
+        dout = dout_BTD.to(self.dtype).contiguous()
+        if self.column_impl == "row":
+            return self._column_rows(site, g0, g_end, out_BTD, dout)
         # the in-group sites' [tokens, J_B, K] tile takes J_B times the registers of a row's
         j_b = min(self.column_sites, pow2(self.group))
         block_t = self.column_tokens or tile_tokens(j_b * self.k_p, self.tile)
-        dout = dout_BTD.to(self.dtype).contiguous()
         launch(kern._column_bwd_kernel, (triton.cdiv(p, block_t), self.heads),
             self.rows, self.lse, bw["S"], bw["dout"], dout, out_BTD,
-            self.z, bw["dl"], bw["part_dv"], bw["dvp"], bw["c"],
+            self.z, bw["dl"], self._part_dv(g_end), bw["dvp"], bw["c"],
             site, g_end, site - g0, n, p, d, self.heads, self.k,
             HAS_SUFFIX=g_end < n, BLOCK_T=block_t, K_P=self.k_p, S_P=dot_dim(n - g_end), J_B=j_b, ACC=self.acc_tl,
             num_warps=self.column_warps or self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
@@ -383,6 +424,31 @@ class FullRouting:
             self.k,
             BLOCK_T=self.keypath_tokens, K_B=self.keypath_k_b, S_P=dot_dim(n - site), H_P=self.h_p, ACC=self.acc_tl,
             PREC=self.prec, num_warps=self.keypath_warps, key=self._key,
+        )
+        return dsrc_PD
+
+    def prefix_stages(self) -> int:
+        """Loop stages of the fma prefix (see PIPELINED_PREFIX_STAGES): as configured, else pipelined where a
+        program's row slice is at least PIPELINE_MIN_BYTES contiguous bytes."""
+        wide = self.k_w * self.dtype.itemsize >= PIPELINE_MIN_BYTES
+        return self._prefix_stages or (PIPELINED_PREFIX_STAGES if wide else 1)
+
+    def _part_dv(self, g_end: int) -> Tensor:
+        """The suffix pass's partials for a column kernel; without a suffix (g_end == n) the kernel reads none,
+        and any tensor stands in for the pointer (there is no part_dv buffer when one group holds every site)."""
+        return self._bwd["part_dv"] if g_end < self.n_sites else self._bwd["S"]
+
+    def _column_rows(self, site: int, g0: int, g_end: int, out_BTD: Tensor, dout: Tensor) -> Tensor:
+        """_column with full-row programs (column_impl "row"): one kernel, no fp32 round trip."""
+        bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
+        dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
+        block_t = self.column_tokens or tile_tokens(self.h_p * self.k_p, ROW_COLUMN_TILE)
+        launch(kern._column_row_bwd_kernel, (triton.cdiv(p, block_t),),
+            self.rows, self.r, self.w_SD, self.lse, bw["S"], bw["dout"], dout, out_BTD,
+            self.z, bw["dl"], self._part_dv(g_end), dsrc_PD,
+            site, g_end, site - g0, n, p, d, self.heads, self.k,
+            HAS_SUFFIX=g_end < n, BLOCK_T=block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
+            num_warps=self.column_warps or ROW_COLUMN_WARPS, key=(self._key, aligned(dout), aligned(out_BTD)),
         )
         return dsrc_PD
 
@@ -397,6 +463,13 @@ class FullRouting:
             key=self._key,
         )
         return a_part.sum(0)
+
+
+def balanced_group(n: int, most: int) -> int:
+    """Group length for n sites in as few groups of at most `most` as possible, the lengths as even as they
+    can be (the last group is never much shorter than the others): 49, 16 -> 13; 73, 16 -> 15; 16, 16 -> 16."""
+    groups = -(-n // most)
+    return -(-n // groups)
 
 
 def pow2_floor(n: int) -> int:

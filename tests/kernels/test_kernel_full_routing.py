@@ -19,7 +19,7 @@ from kernel_helpers import (fresh_generator, full_mode_loss, full_mode_output_an
 
 from mhar_lit.config import ModelConfig  # noqa: E402
 from mhar_lit.kernels import launch as fast_launch  # noqa: E402
-from mhar_lit.kernels.full_routing import PASS_IMPLS, FullRouting  # noqa: E402
+from mhar_lit.kernels.full_routing import COLUMN_IMPLS, PASS_IMPLS, ROW_MAX_SITES, FullRouting  # noqa: E402
 from mhar_lit.models.decoder import DecoderLM  # noqa: E402
 from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes  # noqa: E402
 from mhar_lit.routing import route  # noqa: E402
@@ -42,8 +42,11 @@ def audit_launch_keys(monkeypatch):
 NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
 # The prefix (forward) and suffix (backward) passes have CUDA-core ("fma") and tensor-core ("dot") versions;
 # checking each pair of the same kind covers all four kernels, and a mixed pair the defaults' independence.
-IMPLS = [dict(prefix_impl=p, suffix_impl=s) for p, s in (("fma", "fma"), ("dot", "dot"), ("fma", "dot"))]
+# Each source's backward is finished by full-row ("row") or per-head ("head") column kernels, after either suffix.
+IMPLS = [dict(prefix_impl=p, suffix_impl=s, column_impl=c)
+         for p, s, c in (("fma", "fma", "head"), ("dot", "dot", "row"), ("fma", "dot", "head"), ("fma", "fma", "row"))]
 assert {i["prefix_impl"] for i in IMPLS} == set(PASS_IMPLS) and {i["suffix_impl"] for i in IMPLS} == set(PASS_IMPLS)
+assert {(i["suffix_impl"], i["column_impl"]) for i in IMPLS} == {(s, c) for s in PASS_IMPLS for c in COLUMN_IMPLS}
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -132,7 +135,7 @@ def test_unroll_and_tiling_change_nothing():
         tiled = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, suffix_tokens=8,
                                   suffix_warps=8, prefix_tokens=4, prefix_warps=2, column_tokens=2,
                                   column_warps=4, keypath_tokens=16, keypath_warps=2, keypath_width=16,
-                                  column_sites=1, **impl)
+                                  column_sites=1, prefix_stages=3, **impl)
         for name, a, b in zip(NAMES, tiled, base):
             assert rel(a, b) <= 1e-6, f"{impl} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
 
@@ -151,6 +154,58 @@ def test_keypath_slices_and_column_steps_match_float64():
         for name, a, x, r in zip(NAMES, got, exact, ref32):
             assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), (
                 f"{knobs} {name}: {rel(a, x):.1e}, fp32 reference {rel(r, x):.1e} (seed {gen.initial_seed()})")
+
+
+def test_row_column_kernel_in_one_group_and_its_tiles_match_float64():
+    """The default for narrow heads: full-row column kernels with every site in one group (no suffix pass, no
+    part_dv). fp32 matches float64 like every path; other token tiles and warps only regroup tokens (1e-6).
+    H = 3 pads the row tile's heads to 4; K = 5 pads its columns to 8."""
+    gen = fresh_generator()
+    for n, heads, d in ((9, 2, 16), (8, 3, 15)):
+        problem = full_mode_problem(n, 2, 3, d, gen)
+        exact = full_mode_output_and_grads("torch", *problem, heads, torch.float64)
+        ref32 = full_mode_output_and_grads("torch", *problem, heads, torch.float32)
+        base = full_mode_output_and_grads("triton", *problem, heads, torch.float32, chunk=3, group=n,
+                                          column_impl="row")
+        for name, a, x, r in zip(NAMES, base, exact, ref32):
+            assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), (
+                f"n {n} H {heads} {name}: {rel(a, x):.1e}, fp32 reference {rel(r, x):.1e} (seed {gen.initial_seed()})")
+        for knobs in (dict(column_tokens=1), dict(column_tokens=4, column_warps=2)):
+            got = full_mode_output_and_grads("triton", *problem, heads, torch.float32, chunk=3, group=n,
+                                             column_impl="row", **knobs)
+            for name, a, b in zip(NAMES, got, base):
+                assert rel(a, b) <= 1e-6, f"{knobs} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
+
+
+def test_default_column_impl_and_group_by_head_width_and_sites():
+    """Full-row column kernels with one group of all sites for power-of-two heads <= 64 wide and at most
+    ROW_MAX_SITES sites (measured: routing.md, session 12); per-head kernels otherwise, with groups of at most
+    16 spread evenly (25 sites: 13 + 12; 49: four of 13); an explicit choice wins."""
+    def make(d, heads, n, **knobs):
+        return FullRouting(torch.zeros(1, 2, d), torch.ones(n, d), torch.ones(n, d), heads, **knobs)
+
+    row = make(64, 2, 25)  # K 32
+    assert (row.column_impl, row.group) == ("row", 25) and row._backward_buffers()["dvp"] is None
+    assert row._backward_buffers()["part_dv"] is None  # no suffix pass: one group holds every site
+    for d, heads, n, group in ((256, 2, 25, 13), (24, 2, 25, 13), (64, 2, ROW_MAX_SITES + 1, 11), (256, 2, 49, 13),
+                               (256, 2, 73, 15), (256, 2, 16, 16), (256, 2, 5, 5)):  # K 128 / 12 / too many sites
+        head = make(d, heads, n)
+        assert (head.column_impl, head.group) == ("head", group), (d, heads, n)
+    assert (make(64, 2, 25, group=4).column_impl, make(64, 2, 25, group=4).group) == ("row", 4)
+    assert (make(64, 2, 25, column_impl="head").column_impl, make(64, 2, 25, column_impl="head").group) == ("head", 13)
+
+
+def test_prefix_pipelined_by_contiguous_row_bytes():
+    """The fma prefix's row loop is software-pipelined (3 stages) where a program's slice of a row is at least
+    256 contiguous bytes (350M: 128 bf16 columns), not below (100M's 64 bf16, 1B's 32-column blocks); an
+    explicit prefix_stages wins."""
+    def stages(d, heads, dtype, **knobs):
+        x = torch.zeros(1, 2, d, dtype=dtype)
+        return FullRouting(x, torch.ones(5, d), torch.ones(5, d), heads, **knobs).prefix_stages()
+
+    assert stages(256, 2, torch.bfloat16) == 3 and stages(128, 2, torch.bfloat16) == 1
+    assert stages(1280, 8, torch.bfloat16) == 1  # K 160 in column blocks of 32
+    assert stages(128, 2, torch.float32) == 3 and stages(256, 2, torch.bfloat16, prefix_stages=1) == 1
 
 
 def test_w_terms_split_w_into_two_bf16_terms():
@@ -201,6 +256,9 @@ def test_column_blocks_change_nothing():
     (dict(keypath_tokens=8), "keypath_tokens \\(8\\) must be >= 16"),
     (dict(keypath_tokens=24), "power of two"),
     (dict(column_width=4), "column_width 4 must be a power of two dividing the head width 2"),
+    (dict(column_impl="rows"), "column_impl must be one of"),
+    (dict(prefix_stages=-1), "prefix_stages"),
+    (dict(group=-1), "group \\(-1\\) >= 1"),
 ])
 def test_bad_knobs_are_named(knobs, message):
     x = torch.zeros(1, 2, 4)
