@@ -67,8 +67,11 @@ UNROLL_CHOICES = (1, 2, 4)
 # (5.75 -> 10.80 ms: 255 registers with spills), so the two passes have separate knobs. The suffix's default
 # (0) picks by head width: 4 up to 64 padded columns (100M, K 64: suffix 4.71 -> 3.72 ms; routing 13.5 ->
 # 11.2 ms on 2026-12-03), 1 above (350M, K 128: 11.5 vs 16.9 ms with 4). Session 8 (column blocks, see
-# column_block): prefix unroll 2 beat 4 at 100M (0.96 vs 1.10 ms) and 1B (2.34 vs 2.84), equal at 350M.
-DEFAULT_PREFIX_UNROLL = 2
+# column_block): prefix unroll 2 beat 4 at 100M (0.96 vs 1.10 ms) and 1B (2.34 vs 2.84), equal at 350M. Session 12
+# (max over z in 16-row tiles since session 10: 90 registers at 1B), captured routing with unroll 4 / 2: 1B 8.01 /
+# 8.30 ms, 100M 4.98 / 5.01, and 350M (pipelined prefix, below) 6.18 / 6.11. So the prefix's default (0) is 2 where
+# the loop is pipelined (the async copies already keep loads in flight) and 4 elsewhere.
+UNPIPELINED_PREFIX_UNROLL, PIPELINED_PREFIX_UNROLL = 4, 2
 # The fma prefix's row loop software-pipelined (tl.range num_stages; 1: not): Triton then issues its loads as
 # asynchronous copies into shared memory STAGES - 1 steps ahead, so the bytes in flight are not bounded by
 # registers. H200, 2026-12-04 (session 12, call 8), captured routing with 3 stages: 350M (rows of 128 columns,
@@ -115,7 +118,7 @@ class FullRouting:
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int,
                  eps: float = 1e-6, chunk: int = DEFAULT_CHUNK, group: int = 0,
                  num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE,
-                 prefix_unroll: int = DEFAULT_PREFIX_UNROLL, suffix_unroll: int = DEFAULT_SUFFIX_UNROLL,
+                 prefix_unroll: int = 0, suffix_unroll: int = DEFAULT_SUFFIX_UNROLL,
                  suffix_tokens: int = 0, suffix_warps: int = 0, suffix_impl: str = DEFAULT_SUFFIX_IMPL,
                  column_tokens: int = 0, column_warps: int = 0, prefix_impl: str = DEFAULT_PREFIX_IMPL,
                  prefix_tokens: int = 0, prefix_warps: int = 0, column_width: int = 0,
@@ -132,8 +135,9 @@ class FullRouting:
             raise ValueError(f"hidden size {d} is not divisible by the number of routing heads {heads}")
         if chunk < 1 or group < 0:
             raise ValueError(f"chunk ({chunk}) must be >= 1 and group ({group}) >= 1 (0: by column_impl)")
-        if prefix_unroll not in UNROLL_CHOICES:
-            raise ValueError(f"prefix_unroll must be one of {UNROLL_CHOICES}, got {prefix_unroll}")
+        if prefix_unroll not in (0, *UNROLL_CHOICES):
+            raise ValueError(f"prefix_unroll must be one of {(0, *UNROLL_CHOICES)} (0: by pipelining), "
+                             f"got {prefix_unroll}")
         if suffix_unroll not in (0, *UNROLL_CHOICES):
             raise ValueError(f"suffix_unroll must be one of {(0, *UNROLL_CHOICES)} (0: by head width), "
                              f"got {suffix_unroll}")
@@ -157,7 +161,7 @@ class FullRouting:
         group = group or (n if self.column_impl == "row" else balanced_group(n, DEFAULT_GROUP))
         self.chunk, self.group, self.num_warps = min(chunk, n), min(group, n), num_warps
         self.tile = tile_elements  # register tile size: fixes tokens per program (tile_tokens)
-        self.prefix_unroll = prefix_unroll
+        self._prefix_unroll = prefix_unroll
         self.suffix_unroll = suffix_unroll or (4 if pow2(d // heads) <= 64 else 1)
         self.suffix_tokens, self.suffix_warps, self.suffix_impl = suffix_tokens, suffix_warps, suffix_impl
         self.column_tokens, self.column_warps = column_tokens, column_warps
@@ -324,7 +328,7 @@ class FullRouting:
         launch(kern._prefix_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, self.k_blocks),
             self.rows, self.z, m, l, acc,
             s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
-            C_P=c_p, BLOCK_T=block_t, K_W=self.k_w, ACC=self.acc_tl, UNROLL=self.prefix_unroll,
+            C_P=c_p, BLOCK_T=block_t, K_W=self.k_w, ACC=self.acc_tl, UNROLL=self.prefix_unroll(),
             R_B=max(1, min(PREFIX_ROW_BLOCK, pow2_floor(self.tile // (c_p * block_t)))), STAGES=self.prefix_stages(),
             num_warps=self.prefix_warps or self.num_warps, key=self._key,
         )
@@ -432,6 +436,11 @@ class FullRouting:
         program's row slice is at least PIPELINE_MIN_BYTES contiguous bytes."""
         wide = self.k_w * self.dtype.itemsize >= PIPELINE_MIN_BYTES
         return self._prefix_stages or (PIPELINED_PREFIX_STAGES if wide else 1)
+
+    def prefix_unroll(self) -> int:
+        """Rows per step of the fma prefix: as configured, else by whether its loop is pipelined."""
+        pipelined = self.prefix_stages() > 1
+        return self._prefix_unroll or (PIPELINED_PREFIX_UNROLL if pipelined else UNPIPELINED_PREFIX_UNROLL)
 
     def _part_dv(self, g_end: int) -> Tensor:
         """The suffix pass's partials for a column kernel; without a suffix (g_end == n) the kernel reads none,

@@ -197,8 +197,8 @@ def test_default_column_impl_and_group_by_head_width_and_sites():
 
 def test_prefix_pipelined_by_contiguous_row_bytes():
     """The fma prefix's row loop is software-pipelined (3 stages) where a program's slice of a row is at least
-    256 contiguous bytes (350M: 128 bf16 columns), not below (100M's 64 bf16, 1B's 32-column blocks); an
-    explicit prefix_stages wins."""
+    256 contiguous bytes (350M: 128 bf16 columns), not below (100M's 64 bf16, 1B's 32-column blocks), and then
+    takes 2 rows per step instead of 4; explicit knobs win."""
     def stages(d, heads, dtype, **knobs):
         x = torch.zeros(1, 2, d, dtype=dtype)
         return FullRouting(x, torch.ones(5, d), torch.ones(5, d), heads, **knobs).prefix_stages()
@@ -206,6 +206,13 @@ def test_prefix_pipelined_by_contiguous_row_bytes():
     assert stages(256, 2, torch.bfloat16) == 3 and stages(128, 2, torch.bfloat16) == 1
     assert stages(1280, 8, torch.bfloat16) == 1  # K 160 in column blocks of 32
     assert stages(128, 2, torch.float32) == 3 and stages(256, 2, torch.bfloat16, prefix_stages=1) == 1
+
+    def unroll(d, heads, **knobs):  # rows per step: 2 where pipelined, 4 where not; an explicit value wins
+        x = torch.zeros(1, 2, d, dtype=torch.bfloat16)
+        return FullRouting(x, torch.ones(5, d), torch.ones(5, d), heads, **knobs).prefix_unroll()
+
+    assert unroll(256, 2) == 2 and unroll(128, 2) == 4 and unroll(256, 2, prefix_stages=1) == 4
+    assert unroll(256, 2, prefix_unroll=1) == 1
 
 
 def test_w_terms_split_w_into_two_bf16_terms():
