@@ -113,7 +113,12 @@ ROW_COLUMN_TILE = 1024
 ROW_COLUMN_WARPS = 4
 
 class FullRouting:
-    """State of chunked full-mode routing for one forward pass (see module docstring)."""
+    """State of chunked full-mode routing for one forward pass (see module docstring).
+
+    Knobs left at 0 / "" take the measured defaults. column_tokens / column_warps apply to whichever column
+    kernel column_impl picks; their tiles differ ([tokens, J_B, K] per head, [tokens, H, K] per row), so a value
+    tuned for one is not right for the other. The row kernel's tile is ROW_COLUMN_TILE, not tile_elements;
+    prefix_stages and prefix_unroll apply to the fma prefix only."""
 
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int,
                  eps: float = 1e-6, chunk: int = DEFAULT_CHUNK, group: int = 0,
@@ -134,7 +139,8 @@ class FullRouting:
         if d % heads != 0:
             raise ValueError(f"hidden size {d} is not divisible by the number of routing heads {heads}")
         if chunk < 1 or group < 0:
-            raise ValueError(f"chunk ({chunk}) must be >= 1 and group ({group}) >= 1 (0: by column_impl)")
+            raise ValueError(f"chunk ({chunk}) must be >= 1 and group ({group}) >= 0 (0: automatic, all sites for "
+                             "column_impl 'row', else balanced_group)")
         if prefix_unroll not in (0, *UNROLL_CHOICES):
             raise ValueError(f"prefix_unroll must be one of {(0, *UNROLL_CHOICES)} (0: by pipelining), "
                              f"got {prefix_unroll}")
@@ -145,8 +151,8 @@ class FullRouting:
             if impl not in PASS_IMPLS:
                 raise ValueError(f"{name} must be one of {PASS_IMPLS}, got {impl!r}")
         if column_impl not in ("", *COLUMN_IMPLS):
-            raise ValueError(f"column_impl must be one of {COLUMN_IMPLS} (or '' for the default by head width), "
-                             f"got {column_impl!r}")
+            raise ValueError(f"column_impl must be one of {COLUMN_IMPLS} (or '' for the default by head width, "
+                             f"sites and group), got {column_impl!r}")
         for name, tokens, warps in (("suffix", suffix_tokens, suffix_warps), ("column", column_tokens, column_warps),
                                     ("prefix", prefix_tokens, prefix_warps),
                                     ("keypath", keypath_tokens, keypath_warps)):
@@ -156,8 +162,7 @@ class FullRouting:
         check_storage_dtype(embedding_BTD.dtype)
         check_device(embedding_BTD, query_SD, norm_weight_SD)
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
-        k = d // heads
-        self.column_impl = column_impl or ("row" if pow2(k) == k <= 64 and n <= ROW_MAX_SITES else "head")
+        self.column_impl = column_impl or default_column_impl(d // heads, heads, n, group)
         group = group or (n if self.column_impl == "row" else balanced_group(n, DEFAULT_GROUP))
         self.chunk, self.group, self.num_warps = min(chunk, n), min(group, n), num_warps
         self.tile = tile_elements  # register tile size: fixes tokens per program (tile_tokens)
@@ -474,11 +479,20 @@ class FullRouting:
         return a_part.sum(0)
 
 
+def default_column_impl(k: int, heads: int, n: int, group: int) -> str:
+    """"row" where it was measured to win (COLUMN_IMPLS): power-of-two heads <= 64 wide, at most ROW_MAX_SITES
+    sites in one group (group 0 or >= n), and a full row that fits the row tile (wider rows would leave one
+    token per program with more than 8 elements per thread, where it spills); else "head"."""
+    one_group = group == 0 or group >= n
+    fits = pow2(heads) * k <= ROW_COLUMN_TILE
+    return "row" if pow2(k) == k <= 64 and n <= ROW_MAX_SITES and one_group and fits else "head"
+
+
 def balanced_group(n: int, most: int) -> int:
     """Group length for n sites in as few groups of at most `most` as possible, the lengths as even as they
     can be (the last group is never much shorter than the others): 49, 16 -> 13; 73, 16 -> 15; 16, 16 -> 16."""
-    groups = -(-n // most)
-    return -(-n // groups)
+    groups = max(1, -(-n // most))
+    return max(1, -(-n // groups))
 
 
 def pow2_floor(n: int) -> int:

@@ -18,6 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ["--dtype", "bf16"],
     ["--dtype", "fp32"],  # the fp32-storage paths (tf32x3 products)
     ["--dtype", "bf16", "prefix_impl=fma", "suffix_impl=fma", "suffix_unroll=4"],
+    # the full-row column kernel with and without a suffix pass, and the software-pipelined prefix loop
+    ["--dtype", "bf16", "column_impl=row", "group=8", "prefix_stages=3"],
+    ["--dtype", "fp32", "column_impl=row", "group=8", "prefix_stages=3"],
 ])
 def test_full_routing_kernels_compile_for_sm90(args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -25,6 +28,11 @@ def test_full_routing_kernels_compile_for_sm90(args):
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "0 failed" in done.stdout and "_suffix" in done.stdout and "_prefix" in done.stdout, done.stdout
+    if "column_impl=row" in args:
+        rows = [line for line in done.stdout.splitlines() if "_column_row_bwd_kernel" in line]
+        assert {"'HAS_SUFFIX': True" in line for line in rows} == {True, False}, done.stdout
+        prefix = [line for line in done.stdout.splitlines() if "_prefix_fwd_kernel" in line]
+        assert prefix and all("'STAGES': 3" in line and "async copies 0" not in line for line in prefix), done.stdout
 
 
 @pytest.mark.parametrize("dtype,knobs", [("bf16", []), ("fp32", ["unroll=2"]), ("bf16", ["backward=accumulate"])])

@@ -82,8 +82,9 @@ def test_head_split_dot_passes_equal_fma_passes():
     problem = full_mode_problem(7, 2, 3, 192, gen)
     exact = full_mode_output_and_grads("torch", *problem, 2, torch.float64)
     ref32 = full_mode_output_and_grads("torch", *problem, 2, torch.float32)
-    fma = full_mode_output_and_grads("triton", *problem, 2, torch.float32, 3, 2, **IMPLS[0])
-    dot = full_mode_output_and_grads("triton", *problem, 2, torch.float32, 3, 2, **IMPLS[1])
+    head = dict(column_impl="head")  # the same column kernels on both sides: only the passes differ
+    fma = full_mode_output_and_grads("triton", *problem, 2, torch.float32, 3, 2, **{**IMPLS[0], **head})
+    dot = full_mode_output_and_grads("triton", *problem, 2, torch.float32, 3, 2, **{**IMPLS[1], **head})
     for name, a, b, r, x in zip(NAMES, dot, fma, ref32, exact):
         tol = max(1e-6, 2 * rel(r, x))
         assert rel(a, b) <= tol, f"{name}: dot vs fma {rel(a, b):.1e}, tol {tol:.1e} (seed {gen.initial_seed()})"
@@ -180,18 +181,24 @@ def test_row_column_kernel_in_one_group_and_its_tiles_match_float64():
 def test_default_column_impl_and_group_by_head_width_and_sites():
     """Full-row column kernels with one group of all sites for power-of-two heads <= 64 wide and at most
     ROW_MAX_SITES sites (measured: routing.md, session 12); per-head kernels otherwise, with groups of at most
-    16 spread evenly (25 sites: 13 + 12; 49: four of 13); an explicit choice wins."""
+    16 spread evenly (25 sites: 13 + 12; 49: four of 13); explicit choices win."""
     def make(d, heads, n, **knobs):
         return FullRouting(torch.zeros(1, 2, d), torch.ones(n, d), torch.ones(n, d), heads, **knobs)
 
     row = make(64, 2, 25)  # K 32
-    assert (row.column_impl, row.group) == ("row", 25) and row._backward_buffers()["dvp"] is None
-    assert row._backward_buffers()["part_dv"] is None  # no suffix pass: one group holds every site
+    buffers = row._backward_buffers()
+    assert (row.column_impl, row.group) == ("row", 25) and buffers["dvp"] is None and buffers["c"] is None
+    assert buffers["part_dv"] is None  # no suffix pass: one group holds every site
+    assert (make(64, 2, 25, group=25).column_impl, make(64, 2, 25, group=40).group) == ("row", 25)
     for d, heads, n, group in ((256, 2, 25, 13), (24, 2, 25, 13), (64, 2, ROW_MAX_SITES + 1, 11), (256, 2, 49, 13),
-                               (256, 2, 73, 15), (256, 2, 16, 16), (256, 2, 5, 5)):  # K 128 / 12 / too many sites
+                               (256, 2, 73, 15), (256, 2, 16, 16), (256, 2, 5, 5),  # K 128 / 12 / too many sites
+                               (2048, 32, 25, 13)):  # K 64, but 32 heads: a 2048-wide row passes the row tile
         head = make(d, heads, n)
         assert (head.column_impl, head.group) == ("head", group), (d, heads, n)
-    assert (make(64, 2, 25, group=4).column_impl, make(64, 2, 25, group=4).group) == ("row", 4)
+    # an explicit group that leaves a suffix pass picks the per-head kernels (the row kernel's suffix loop is slow),
+    # unless the row kernel is asked for
+    assert (make(64, 2, 25, group=4).column_impl, make(64, 2, 25, group=4).group) == ("head", 4)
+    assert make(64, 2, 25, group=4, column_impl="row").column_impl == "row"
     assert (make(64, 2, 25, column_impl="head").column_impl, make(64, 2, 25, column_impl="head").group) == ("head", 13)
 
 
@@ -265,7 +272,7 @@ def test_column_blocks_change_nothing():
     (dict(column_width=4), "column_width 4 must be a power of two dividing the head width 2"),
     (dict(column_impl="rows"), "column_impl must be one of"),
     (dict(prefix_stages=-1), "prefix_stages"),
-    (dict(group=-1), "group \\(-1\\) >= 1"),
+    (dict(group=-1), "group \\(-1\\) >= 0"),
 ])
 def test_bad_knobs_are_named(knobs, message):
     x = torch.zeros(1, 2, 4)
@@ -273,7 +280,8 @@ def test_bad_knobs_are_named(knobs, message):
         FullRouting(x, torch.ones(3, 4), torch.ones(3, 4), 2, **knobs)
 
 
-def test_misaligned_outside_tensors_route_the_same():
+@pytest.mark.parametrize("column_impl", COLUMN_IMPLS)
+def test_misaligned_outside_tensors_route_the_same(column_impl):
     """Sources and output gradients that start off a 16-byte boundary (views into a larger buffer): Triton
     compiles other kernels for them, so the launch keys must tell them apart (the audit fixture checks); the
     results are those of aligned copies."""
@@ -298,7 +306,7 @@ def test_misaligned_outside_tensors_route_the_same():
     results = []
     for shift in (False, True):
         e, qq, gg = leaf(emb.float(), q.float(), g.float())
-        routing = FullRouting(e, qq, gg, 2, chunk=2, group=2)
+        routing = FullRouting(e, qq, gg, 2, chunk=2, group=2, column_impl=column_impl)
 
         def site_fn(s, src):
             odd = shift and s % 2 == 1
@@ -336,20 +344,22 @@ def test_bf16_within_reference_rounding_error(impl):
         assert rel(a, e) <= 2 * rel(r, e) + 1e-3, f"{name}: {rel(a, e):.2e} vs {rel(r, e):.2e}"
 
 
-def test_repeated_runs_bitwise_identical():
+@pytest.mark.parametrize("column_impl", COLUMN_IMPLS)
+def test_repeated_runs_bitwise_identical(column_impl):
     gen = fresh_generator()
     problem = full_mode_problem(7, 2, 3, 16, gen)
-    first = full_mode_output_and_grads("triton", *problem, 4, torch.float32)
-    second = full_mode_output_and_grads("triton", *problem, 4, torch.float32)
+    first = full_mode_output_and_grads("triton", *problem, 4, torch.float32, column_impl=column_impl)
+    second = full_mode_output_and_grads("triton", *problem, 4, torch.float32, column_impl=column_impl)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_second_backward_of_a_retained_graph():
+@pytest.mark.parametrize("column_impl", COLUMN_IMPLS)
+def test_second_backward_of_a_retained_graph(column_impl):
     """A retained graph differentiated twice (each backward restarts at the final site): the same gradients."""
     gen = fresh_generator()
     emb, q, g, mats, dout = full_mode_problem(5, 1, 3, 8, gen)
     e, qq, gg = leaf(emb.float(), q.float(), g.float())
-    routing = FullRouting(e, qq, gg, 2, chunk=2, group=2)
+    routing = FullRouting(e, qq, gg, 2, chunk=2, group=2, column_impl=column_impl)
     site_fn = lambda s, src: routing.route(s, src[-1], *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
     loss = full_mode_loss(site_fn, e, qq, gg, [m.float() for m in mats], dout)
     first = torch.autograd.grad(loss, (e, qq, gg), retain_graph=True)
