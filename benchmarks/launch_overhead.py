@@ -1,6 +1,8 @@
 """Host cost of one Triton launch with a routing kernel's argument list (7 pointers, 9 ints, 5 constexprs):
 the usual `kernel[grid](...)` path against the compiled kernel's own launcher and mhar_lit's fast path,
-plus the host cost of the small torch calls a routing site makes (torch.empty, an autograd.Function apply).
+plus the host cost of the small torch calls a routing site makes (torch.empty, an autograd.Function apply)
+and of the per-call routing's torch.library custom op (mhar_lit::route) against its implementation called
+directly, on a tiny problem whose kernel time is negligible (forward only, then with autograd recording).
 Host microseconds per call, median of 5 runs of 2000 calls each, the GPU kept idle (the kernel does nothing).
 
     python benchmarks/launch_overhead.py
@@ -47,6 +49,22 @@ class _Identity(torch.autograd.Function):
         return g
 
 
+def custom_op_rows():
+    """Host cost of the per-call routing (3 sources of 16 tokens x 64, 4 heads, bf16): the custom op against its
+    implementation, and route_triton (op + checks) with sources that need gradients (autograd records a node)."""
+    from mhar_lit.kernels.routing_triton import _route_impl, _route_op, route_triton
+
+    src = torch.randn(3, 1, 16, 64, device="cuda").to(torch.bfloat16)
+    src_g = src.clone().requires_grad_(True)
+    q, g = torch.randn(64, device="cuda"), torch.ones(64, device="cuda")
+    rows = src.view(3, 16, 64)
+    return [
+        ("per-call routing implementation called directly (no custom op)", lambda: _route_impl(rows, q, g, 4, 1e-6)),
+        ("per-call routing through the custom op mhar_lit::route", lambda: _route_op(src, q, g, 4, 1e-6)),
+        ("route_triton with sources that need gradients (op + autograd node)", lambda: route_triton(src_g, q, g, 4)),
+    ]
+
+
 def main() -> None:
     ptrs = [torch.empty(16, device="cuda") for _ in range(7)]
     ints = (5, 17, 3, 73, 2048, 1280, 8, 160, 7)
@@ -69,6 +87,7 @@ def main() -> None:
                                                                          key=("site",), **consts)),
         ("torch.empty(2048 x 1280, bf16)", lambda: torch.empty(2048, 1280, dtype=torch.bfloat16, device="cuda")),
         ("autograd.Function.apply (view)", lambda: _Identity.apply(x)),
+        *custom_op_rows(),
     ]
     print(f"torch {torch.__version__}  triton {triton.__version__}  {torch.cuda.get_device_name()}")
     from triton import knobs
