@@ -19,23 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mhar_lit.kernels._routing_kernels import _online_update, _pair_bwd, _rsqrt_mean_square, _to_storage
-
-
-@triton.jit
-def _full_row_tile(P, D, H, K, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr):
-    """This program's [BLOCK_T, H_P, K_P] tile of full rows: offsets into a [P, D] row and masks."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h = tl.arange(0, H_P)
-    offs_k = tl.arange(0, K_P)
-    mask_t = offs_t < P
-    mask_hk = (offs_h[:, None] < H) & (offs_k[None, :] < K)
-    col_HK = offs_h[:, None] * K + offs_k[None, :]
-    tile = offs_t[:, None, None].to(tl.int64) * D + col_HK[None, :, :]
-    mask = mask_t[:, None, None] & mask_hk[None, :, :]
-    th = offs_t[:, None].to(tl.int64) * H + offs_h[None, :]
-    mask_th = mask_t[:, None] & (offs_h[None, :] < H)
-    return offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th
+from mhar_lit.kernels._routing_kernels import (_full_row_tile, _online_update, _pair_bwd, _rsqrt_mean_square,
+                                               _to_storage)
 
 
 @triton.jit(do_not_specialize=["site", "n_blk", "span", "add_prev"])

@@ -68,15 +68,10 @@ def _rsqrt_mean_square(v, D, eps):
     return 1.0 / tl.sqrt(sq / D + eps)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def _site_fwd_kernel(
-    rows_ptr, r_ptr, w_ptr, out_ptr, lse_ptr, n_rows, P, D, H, K, eps,
-    BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
-):
-    """Per-call routing, full rows: online softmax over the rows [0, n_rows); each row's statistic is taken
-    here and kept in r_ptr [N, P] for the backward; writes out and lse [P, H]."""
-    pid = tl.program_id(0)
-    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+@triton.jit
+def _full_row_tile(P, D, H, K, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr):
+    """This program's [BLOCK_T, H_P, K_P] tile of full rows: offsets into a [P, D] row and masks."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.arange(0, H_P)
     offs_k = tl.arange(0, K_P)
     mask_t = offs_t < P
@@ -84,8 +79,19 @@ def _site_fwd_kernel(
     col_HK = offs_h[:, None] * K + offs_k[None, :]
     tile = offs_t[:, None, None].to(tl.int64) * D + col_HK[None, :, :]
     mask = mask_t[:, None, None] & mask_hk[None, :, :]
-    mask_th = mask_t[:, None] & (offs_h[None, :] < H)
     th = offs_t[:, None].to(tl.int64) * H + offs_h[None, :]
+    mask_th = mask_t[:, None] & (offs_h[None, :] < H)
+    return offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _site_fwd_kernel(
+    rows_ptr, r_ptr, w_ptr, out_ptr, lse_ptr, n_rows, P, D, H, K, eps,
+    BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+):
+    """Per-call routing, full rows: online softmax over the rows [0, n_rows); each row's statistic is taken
+    here and kept in r_ptr [N, P] for the backward; writes out and lse [P, H]."""
+    offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
     store_ty = rows_ptr.dtype.element_ty
 
@@ -403,16 +409,7 @@ def _site_bwd_kernel(
     gradient dsrc[n] (storage dtype, written once) and this program's partial of A (summed over its tokens
     and the rows) into a[pid] (summed on the host in a fixed order)."""
     pid = tl.program_id(0)
-    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h = tl.arange(0, H_P)
-    offs_k = tl.arange(0, K_P)
-    mask_t = offs_t < P
-    mask_hk = (offs_h[:, None] < H) & (offs_k[None, :] < K)
-    col_HK = offs_h[:, None] * K + offs_k[None, :]
-    tile = offs_t[:, None, None].to(tl.int64) * D + col_HK[None, :, :]
-    mask = mask_t[:, None, None] & mask_hk[None, :, :]
-    mask_th = mask_t[:, None] & (offs_h[None, :] < H)
-    th = offs_t[:, None].to(tl.int64) * H + offs_h[None, :]
+    offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
     store_ty = rows_ptr.dtype.element_ty
 
@@ -760,18 +757,9 @@ def _column_row_bwd_kernel(
     here (dl stored for dq/dg); the suffix pairs s >= g_end bring dl from the suffix pass (its value path is
     in part_dv) and add only their key path. dsrc = that + part_dv - r^2/D c v, written once.
     Every load of a step is issued before the step's stores (see _column_bwd_kernel)."""
-    pid_t = tl.program_id(0)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h = tl.arange(0, H_P)
-    offs_k = tl.arange(0, K_P)
-    mask_t = offs_t < P
-    mask_hk = (offs_h[:, None] < H) & (offs_k[None, :] < K)
-    col_HK = offs_h[:, None] * K + offs_k[None, :]
-    tile = offs_t[:, None, None].to(tl.int64) * D + col_HK[None, :, :]
-    mask = mask_t[:, None, None] & mask_hk[None, :, :]
-    mask_th = mask_t[:, None] & (offs_h[None, :] < H)
-    th = offs_t[:, None].to(tl.int64) * H + offs_h[None, :]  # [N, P, H] tensors (lse, S)
-    zth = offs_h[None, :] * P + offs_t[:, None].to(tl.int64)  # [pairs, H, P] tensors (z, dl)
+    # th: offsets into the [N, P, H] tensors (lse, S); zth: into the [pairs, H, P] ones (z, dl)
+    offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
+    zth = tl.arange(0, H_P)[None, :] * P + offs_t[:, None].to(tl.int64)
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
     pair0 = _pair_row(src, src, N)
 
