@@ -51,7 +51,7 @@ class _Identity(torch.autograd.Function):
 
 def custom_op_rows():
     """Host cost of the per-call routing (3 sources of 16 tokens x 64, 4 heads, bf16): the custom op against its
-    implementation, and route_triton (op + checks) with sources that need gradients (autograd records a node)."""
+    implementation, and route_triton (checks, then the eager autograd.Function outside torch.compile)."""
     from mhar_lit.kernels.routing_triton import _route_impl, _route_op, route_triton
 
     src = torch.randn(3, 1, 16, 64, device="cuda").to(torch.bfloat16)
@@ -61,7 +61,9 @@ def custom_op_rows():
     return [
         ("per-call routing implementation called directly (no custom op)", lambda: _route_impl(rows, q, g, 4, 1e-6)),
         ("per-call routing through the custom op mhar_lit::route", lambda: _route_op(src, q, g, 4, 1e-6)),
-        ("route_triton with sources that need gradients (op + autograd node)", lambda: route_triton(src_g, q, g, 4)),
+        ("route_triton, sources that need gradients (eager: autograd.Function, no op)",
+         lambda: route_triton(src_g, q, g, 4)),
+        ("route_triton, sources without gradients (eager)", lambda: route_triton(src, q, g, 4)),
     ]
 
 

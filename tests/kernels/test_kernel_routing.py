@@ -161,6 +161,34 @@ def test_custom_ops_pass_torch_opcheck():
 
 
 @pytest.mark.parametrize("entry", ["stacked", "list"])
+def test_eager_calls_skip_the_op_dispatcher_and_equal_the_op(entry):
+    """Outside torch.compile route_triton runs the ops' implementations under an autograd.Function (the
+    dispatcher cost 17-63 us of host time per call on the H200): the graph node says so, and the output and every gradient
+    (a mixed-dtype list included) equal the custom op's bitwise."""
+    from mhar_lit.kernels.routing_triton import route_triton, route_triton_list
+
+    gen = fresh_generator()
+    sources, q, g = random_case(3, 2, 3, 12, torch.float32, gen)
+    dout = torch.randn(2, 3, 12, generator=gen)
+    results = []
+    for via_op in (False, True):
+        qq, gg = leaf(q, g)
+        if entry == "stacked":
+            src = leaf(sources)[0]
+            inputs = (src, qq, gg)
+            out = (torch.ops.mhar_lit.route(src, qq, gg, 3, 1e-6)[0] if via_op else route_triton(src, qq, gg, 3))
+        else:
+            parts = leaf(sources[0], *sources[1:].to(torch.bfloat16).unbind(0))
+            inputs = (*parts, qq, gg)
+            out = (torch.ops.mhar_lit.route_list(list(parts), qq, gg, 3, 1e-6)[0] if via_op
+                   else route_triton_list(list(parts), qq, gg, 3))
+        if not via_op:
+            assert "_EagerRoute" in out.grad_fn.name(), out.grad_fn.name()
+        results.append((out, *torch.autograd.grad(out, inputs, dout)))
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*results)), f"seed {gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("entry", ["stacked", "list"])
 def test_torch_compile_sees_one_op_and_matches_eager(entry):
     """torch.compile(fullgraph=True) traces a call as one routing op (no graph break at the kernel launches),
     and forward and gradients through AOT autograd equal eager bitwise (the same kernels run)."""
