@@ -740,6 +740,17 @@ def _row_suffix_loads(dl_ptr, z_ptr, w_ptr, s, pair0, src, N, zth, mask_th, col_
     return dl, logit, w
 
 
+@triton.jit
+def _row_pair(dout, S, logit, lse, w, v_raw, r, mask_th, dv, c, ACC: tl.constexpr):
+    """One pair (s, src) of the full-row column kernel: its dl [BLOCK_T, H_P], and dv, c plus its value and key
+    path and its coupling term."""
+    d_s = dout.to(ACC)
+    alpha = tl.where(mask_th, tl.exp(logit - lse), 0.0)
+    dl = alpha * (tl.sum(d_s * v_raw.to(ACC), axis=2) - S)
+    dv += alpha[:, :, None] * d_s + (dl * r[:, None])[:, :, None] * w[None, :, :]
+    return dl, dv, c + dl * logit
+
+
 @triton.jit(do_not_specialize=["src", "g_end", "part_slot"])
 def _column_row_bwd_kernel(
     rows_ptr, r_ptr, w_ptr, lse_ptr, S_ptr, dout_buf_ptr, dout_new_ptr, out_new_ptr,
@@ -776,22 +787,15 @@ def _column_row_bwd_kernel(
                                                       pair0, src, tile, mask, th, zth, mask_th, col_HK, mask_hk,
                                                       row_stride, P, D, H)
 
-    dout = dout_raw.to(ACC)
-    S = tl.sum(dout * out_new.to(ACC), axis=2)
-    alpha = tl.exp(logit - lse)
-    dl = alpha * (tl.sum(dout * v_raw.to(ACC), axis=2) - S)
-    dv = alpha[:, :, None] * dout + (dl * r[:, None])[:, :, None] * w[None, :, :]
-    c = dl * logit
+    S = tl.sum(dout_raw.to(ACC) * out_new.to(ACC), axis=2)
+    dv = tl.zeros([BLOCK_T, H_P, K_P], ACC)
+    dl, dv, c = _row_pair(dout_raw, S, logit, lse, w, v_raw, r, mask_th, dv, tl.zeros([BLOCK_T, H_P], ACC), ACC)
     tl.store(dout_buf_ptr + src * row_stride + tile, dout_raw, mask=mask)
     tl.store(S_ptr + src * P * H + th, S, mask=mask_th)
     tl.store(dl_ptr + pair0 * H * P + zth, dl, mask=mask_th)
     # in-group sites (their dout and S already sit in the buffers), each step's loads issued one step ahead
     for s in range(src + 1, g_end):
-        d_s = dout_j.to(ACC)
-        alpha_s = tl.where(mask_th, tl.exp(logit_j - lse_j), 0.0)
-        dl_s = alpha_s * (tl.sum(d_s * v_raw.to(ACC), axis=2) - S_j)
-        dv += alpha_s[:, :, None] * d_s + (dl_s * r[:, None])[:, :, None] * w_j[None, :, :]
-        c += dl_s * logit_j
+        dl_s, dv, c = _row_pair(dout_j, S_j, logit_j, lse_j, w_j, v_raw, r, mask_th, dv, c, ACC)
         z_off = (pair0 + s - src) * H * P + zth
         dout_j, S_j, logit_j, lse_j, w_j = _row_site_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, s + 1, g_end,
                                                           pair0, src, tile, mask, th, zth, mask_th, col_HK,

@@ -178,13 +178,16 @@ def test_row_column_kernel_in_one_group_and_its_tiles_match_float64():
                 assert rel(a, b) <= 1e-6, f"{knobs} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
 
 
+def unrun_routing(d, heads, n, dtype=torch.float32, **knobs):
+    """A FullRouting for 2 tokens of width d and n sites, for checks of its choices (nothing is launched)."""
+    return FullRouting(torch.zeros(1, 2, d, dtype=dtype), torch.ones(n, d), torch.ones(n, d), heads, **knobs)
+
+
 def test_default_column_impl_and_group_by_head_width_and_sites():
     """Full-row column kernels with one group of all sites for power-of-two heads <= 64 wide and at most
     ROW_MAX_SITES sites (measured: routing.md, session 12); per-head kernels otherwise, with groups of at most
     16 spread evenly (25 sites: 13 + 12; 49: four of 13); explicit choices win."""
-    def make(d, heads, n, **knobs):
-        return FullRouting(torch.zeros(1, 2, d), torch.ones(n, d), torch.ones(n, d), heads, **knobs)
-
+    make = unrun_routing
     row = make(64, 2, 25)  # K 32
     buffers = row._backward_buffers()
     assert (row.column_impl, row.group) == ("row", 25) and buffers["dvp"] is None and buffers["c"] is None
@@ -207,16 +210,14 @@ def test_prefix_pipelined_by_contiguous_row_bytes():
     256 contiguous bytes (350M: 128 bf16 columns), not below (100M's 64 bf16, 1B's 32-column blocks), and then
     takes 2 rows per step instead of 4; explicit knobs win."""
     def stages(d, heads, dtype, **knobs):
-        x = torch.zeros(1, 2, d, dtype=dtype)
-        return FullRouting(x, torch.ones(5, d), torch.ones(5, d), heads, **knobs).prefix_stages()
+        return unrun_routing(d, heads, 5, dtype, **knobs).prefix_stages()
 
     assert stages(256, 2, torch.bfloat16) == 3 and stages(128, 2, torch.bfloat16) == 1
     assert stages(1280, 8, torch.bfloat16) == 1  # K 160 in column blocks of 32
     assert stages(128, 2, torch.float32) == 3 and stages(256, 2, torch.bfloat16, prefix_stages=1) == 1
 
     def unroll(d, heads, **knobs):  # rows per step: 2 where pipelined, 4 where not; an explicit value wins
-        x = torch.zeros(1, 2, d, dtype=torch.bfloat16)
-        return FullRouting(x, torch.ones(5, d), torch.ones(5, d), heads, **knobs).prefix_unroll()
+        return unrun_routing(d, heads, 5, torch.bfloat16, **knobs).prefix_unroll()
 
     assert unroll(256, 2) == 2 and unroll(128, 2) == 4 and unroll(256, 2, prefix_stages=1) == 4
     assert unroll(256, 2, prefix_unroll=1) == 1
