@@ -129,7 +129,8 @@ def compile_all(shape_names, dtype, knobs, arch=90, mode="full"):
                 print(f"{label}  {_usage(compiled.asm['cubin'])} smem {shared} async copies {asyncs}", flush=True)
             except Exception as err:  # report every failing configuration, not only the first
                 failures += 1
-                print(f"{label}  FAILED: {str(err)[-800:]}", flush=True)
+                cause = f" (cause: {err.__cause__!r})" if err.__cause__ is not None else ""
+                print(f"{label}  FAILED: {str(err)[-800:]}{cause}", flush=True)
     return failures
 
 

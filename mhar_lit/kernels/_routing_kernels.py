@@ -559,15 +559,21 @@ def _head_slice(offs_t, h, K, D, k0, KW: tl.constexpr):
 def _suffix_dot_bwd_kernel(
     rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, z_ptr, dl_ptr, part_dv_ptr,
     n_lo, n_src, s_lo, s_hi, N, P, D, H, K,
+    r_ptr, w_hi_ptr, w_lo_ptr, part_c_ptr,
     G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, S_B: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, PREC: tl.constexpr, KEYPATH: tl.constexpr,
 ):
     """The suffix pass of _suffix_bwd_kernel (same inputs and outputs) on tensor cores. Per token and head it
     is two small matrix products: gdot [G, S] = V [G, K] @ dout^T [K, S] and dv [G, K] += alpha [G, S] @
     dout [S, K]; a program runs them batched over its BLOCK_T tokens for S_B later sites per step (G_P and
     S_B >= 16, the products' smallest size). So a step loads S_B sites' dout at once instead of one, and the
     per-element work leaves the CUDA cores. The head's K columns are two power-of-two slices K_A + K_B
-    (K_B = 0: one slice) so that K = 160 is 128 + 32 wide, not padded to 256."""
+    (K_B = 0: one slice) so that K = 160 is 128 + 32 wide, not padded to 256.
+
+    KEYPATH (for the full-row column kernel): the pairs' key path joins the value path in part_dv, as a third
+    product per token, dv [G, K] += (r dl) [G, S] @ w [S, K] (w = q g of the later sites, _mma_split), and
+    their share of the RMSNorm coupling, sum over the later sites of dl * logit, goes to part_c [G, P, H]. The
+    column kernel then adds both and reads no suffix pair."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -590,6 +596,10 @@ def _suffix_dot_bwd_kernel(
         v_b = _mma_operand(tl.load(rows_ptr + g_off + tok_b, mask=mask_tg & mk_b, other=0.0), store_ty, ACC)
         dv_b = tl.zeros([BLOCK_T, G_P, K_B], ACC)
     pair_g = _pair_row(n_lo + offs_g, s_lo, N)  # [G_P]: pair (g, s_lo); pair (g, s) is s - s_lo rows on
+    if KEYPATH:
+        c_tg = tl.zeros([BLOCK_T, G_P], ACC)
+        r_tg = tl.load(r_ptr + (n_lo + offs_g)[None, :].to(tl.int64) * P + offs_t[:, None],
+                       mask=mask_t[:, None] & mask_g[None, :], other=0.0).to(ACC)  # [BLOCK_T, G_P]
     for s0 in range(s_lo, s_hi, S_B):
         s = s0 + offs_s
         ok_s = s < s_hi
@@ -608,16 +618,48 @@ def _suffix_dot_bwd_kernel(
         S = tl.load(S_ptr + ts, mask=mask_ts, other=0.0)
         z_off = ((pair_g[None, :, None] + (s - s_lo)[None, None, :]) * H + h) * P + offs_t[:, None, None]
         mask_z = mask_ts[:, None, :] & mask_g[None, :, None]
-        alpha = tl.exp(tl.load(z_ptr + z_off, mask=mask_z, other=float("-inf")) - lse[:, None, :])  # [T, G, S]
-        tl.store(dl_ptr + z_off, alpha * (gdot - S[:, None, :]), mask=mask_z)
+        logit = tl.load(z_ptr + z_off, mask=mask_z, other=float("-inf"))
+        alpha = tl.exp(logit - lse[:, None, :])  # [T, G, S]
+        dl = alpha * (gdot - S[:, None, :])
+        tl.store(dl_ptr + z_off, dl, mask=mask_z)
         dv_a = _mma_weights(alpha, dout_a, dv_a, store_ty, ACC, PREC)
         if K_B > 0:
             dv_b = _mma_weights(alpha, dout_b, dv_b, store_ty, ACC, PREC)
+        if KEYPATH:
+            c_tg += tl.sum(dl * tl.where(mask_z, logit, 0.0), axis=2)  # masked logits are -inf (dl 0 there)
+            dlr_hi, dlr_lo = _bf16_split(dl * r_tg[:, :, None], store_ty, ACC)
+            dv_a = _suffix_keypath(dlr_hi, dlr_lo, w_hi_ptr, w_lo_ptr, s, ok_s, h, K, D, 0, dv_a, BLOCK_T, S_B, K_A,
+                                   store_ty, ACC, PREC)
+            if K_B > 0:
+                dv_b = _suffix_keypath(dlr_hi, dlr_lo, w_hi_ptr, w_lo_ptr, s, ok_s, h, K, D, K_A, dv_b, BLOCK_T, S_B,
+                                       K_B, store_ty, ACC, PREC)
 
     part_off = offs_g[None, :, None].to(tl.int64) * row_stride
     tl.store(part_dv_ptr + part_off + tok_a, dv_a, mask=mask_tg & mk_a)
     if K_B > 0:
         tl.store(part_dv_ptr + part_off + tok_b, dv_b, mask=mask_tg & mk_b)
+    if KEYPATH:
+        tl.store(part_c_ptr + (offs_g[None, :].to(tl.int64) * P + offs_t[:, None]) * H + h, c_tg,
+                 mask=mask_t[:, None] & mask_g[None, :])
+
+
+@triton.jit
+def _suffix_keypath(dl_hi, dl_lo, w_hi_ptr, w_lo_ptr, s, ok_s, h, K, D, k0, dv, BLOCK_T: tl.constexpr,
+                    S_B: tl.constexpr, KW: tl.constexpr, store_ty: tl.constexpr, ACC: tl.constexpr,
+                    PREC: tl.constexpr):
+    """dv [BLOCK_T, G, KW] + (r dl) [BLOCK_T, G, S_B] @ w [S_B, KW] (r dl as _bf16_split terms) for head h's
+    columns [k0, k0 + KW) of the sites s (w = q g, FullRouting.w_terms; the same for every token, broadcast over
+    the batch of tokens)."""
+    offs_k = k0 + tl.arange(0, KW)
+    w_off = s[:, None].to(tl.int64) * D + (h * K + offs_k)[None, :]
+    mask_w = ok_s[:, None] & (offs_k < K)[None, :]
+    w_hi = tl.broadcast_to(tl.load(w_hi_ptr + w_off, mask=mask_w, other=0.0)[None, :, :], (BLOCK_T, S_B, KW))
+    if store_ty == tl.bfloat16:  # the second term of w exists only for bf16 storage
+        w_lo = tl.broadcast_to(tl.load(w_lo_ptr + w_off, mask=mask_w, other=0.0)[None, :, :], (BLOCK_T, S_B, KW))
+    else:
+        w_lo = w_hi
+    return _mma_split(dl_hi, dl_lo, _mma_operand(w_hi, store_ty, ACC), _mma_operand(w_lo, store_ty, ACC), dv,
+                      store_ty, ACC, PREC)
 
 
 @triton.jit
@@ -754,9 +796,10 @@ def _row_pair(dout, S, logit, lse, w, v_raw, r, mask_th, dv, c, ACC: tl.constexp
 @triton.jit(do_not_specialize=["src", "g_end", "part_slot"])
 def _column_row_bwd_kernel(
     rows_ptr, r_ptr, w_ptr, lse_ptr, S_ptr, dout_buf_ptr, dout_new_ptr, out_new_ptr,
-    z_ptr, dl_ptr, part_dv_ptr, dsrc_ptr,
+    z_ptr, dl_ptr, part_dv_ptr, part_c_ptr, dsrc_ptr,
     src, g_end, part_slot, N, P, D, H, K,
-    HAS_SUFFIX: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+    HAS_SUFFIX: tl.constexpr, SUFFIX_KEYS: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr,
+    K_P: tl.constexpr, ACC: tl.constexpr,
 ):
     """Full-mode backward of site `src` on full rows (every head of a token block in one program): the work of
     _column_bwd_kernel and _keypath_kernel in one pass, so the fp32 value-path gradient and the coupling never
@@ -765,9 +808,11 @@ def _column_row_bwd_kernel(
     Per pair (s, src), head h: alpha = exp(logit - lse_s), dl = alpha (<dout_s, v>_h - S_s), and the source
     gradient before the coupling gets alpha dout_s + r dl w_s (value and key path: w_s = q_s g_s in fp32, one
     FMA per element); c = sum over pairs and heads of dl logit. In-group sites s in [src, g_end) are computed
-    here (dl stored for dq/dg); the suffix pairs s >= g_end bring dl from the suffix pass (its value path is
-    in part_dv) and add only their key path. dsrc = that + part_dv - r^2/D c v, written once.
-    Every load of a step is issued before the step's stores (see _column_bwd_kernel)."""
+    here (dl stored for dq/dg). The suffix pairs s >= g_end come from the suffix pass: with SUFFIX_KEYS it
+    left their value and key path in part_dv and their coupling in part_c (the "dot" suffix), else only the
+    value path and dl, and a loop over them here adds their key path. dsrc = dv - r^2/D c v, written once.
+    Every load of a step is issued before the step's stores (see _column_bwd_kernel). (Two in-group sites per
+    step, with the next two sites' loads in flight, ran slower on an H200: 96 registers against 64.)"""
     # th: offsets into the [N, P, H] tensors (lse, S); zth: into the [pairs, H, P] ones (z, dl)
     offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
     zth = tl.arange(0, H_P)[None, :] * P + offs_t[:, None].to(tl.int64)
@@ -783,6 +828,8 @@ def _column_row_bwd_kernel(
     w = tl.load(w_ptr + src * D + col_HK, mask=mask_hk, other=0.0)
     if HAS_SUFFIX:
         part_dv = tl.load(part_dv_ptr + part_slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
+        if SUFFIX_KEYS:
+            part_c = tl.load(part_c_ptr + part_slot * P * H + th, mask=mask_th, other=0.0)
     dout_j, S_j, logit_j, lse_j, w_j = _row_site_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, src + 1, g_end,
                                                       pair0, src, tile, mask, th, zth, mask_th, col_HK, mask_hk,
                                                       row_stride, P, D, H)
@@ -801,7 +848,10 @@ def _column_row_bwd_kernel(
                                                           pair0, src, tile, mask, th, zth, mask_th, col_HK,
                                                           mask_hk, row_stride, P, D, H)
         tl.store(dl_ptr + z_off, dl_s, mask=mask_th)
-    if HAS_SUFFIX:
+    if HAS_SUFFIX and SUFFIX_KEYS:
+        dv += part_dv
+        c += part_c
+    if HAS_SUFFIX and not SUFFIX_KEYS:
         # the suffix pairs' key path (their value path is part_dv); no stores, so loads run one site ahead
         dv += part_dv
         dl_s, logit_s, w_s = _row_suffix_loads(dl_ptr, z_ptr, w_ptr, g_end, pair0, src, N, zth, mask_th, col_HK,

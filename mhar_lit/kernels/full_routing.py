@@ -103,10 +103,14 @@ COLUMN_SITE_BLOCK = 2
 # 25 sites: routing kernels 4.99 vs 5.47 ms) and loses wherever sources have many later sites: with a suffix
 # pass its per-site key-path loop re-reads w_s for every 2-token block (350M: 4.81 vs 2.66 ms of column work);
 # as one group at 350M (49 sites) each source reads twice the douts (4.93 vs 3.50 ms); 1B's K 160 pads to 256.
-# So the default is "row" with group = all sites where the head width is a power of two <= 64 and there are at
-# most ROW_MAX_SITES sites, else "head" with DEFAULT_GROUP.
+# Session 13: with the "dot" suffix pass doing its pairs' key path and coupling too (KEYPATH: a third product per
+# token there, into part_dv and part_c), the row kernel reads no suffix pair, and groups pay off for it: captured
+# routing 100M 4.90 ms with row and group 13 against 4.99 with one group of 25; 350M 6.33 against 6.40 per head
+# (call 1; 1B's row kernel, K 160 padded to 256: 9.11 against 8.62). So the default is "row" where the head width
+# is a power of two <= 128 whose full row fits the row tile and the suffix pass is "dot" (or one group holds every
+# site), with balanced groups as for "head"; else "head".
 COLUMN_IMPLS = ("row", "head")
-ROW_MAX_SITES = 32
+ROW_MAX_HEAD = 128
 # The full-row kernel's tile: 1024 elements on 4 warps (8 per thread; 64 registers at 100M). H200, 100M: 2.52 ms
 # against 2.71 (1024 on 2 warps), 2.74 (2048 on 4), 3.02 (4096 on 8); 32 per thread spills.
 ROW_COLUMN_TILE = 1024
@@ -139,8 +143,8 @@ class FullRouting:
         if d % heads != 0:
             raise ValueError(f"hidden size {d} is not divisible by the number of routing heads {heads}")
         if chunk < 1 or group < 0:
-            raise ValueError(f"chunk ({chunk}) must be >= 1 and group ({group}) >= 0 (0: automatic, all sites for "
-                             "column_impl 'row', else balanced_group)")
+            raise ValueError(f"chunk ({chunk}) must be >= 1 and group ({group}) >= 0 (0: automatic, "
+                             "balanced_group)")
         if prefix_unroll not in (0, *UNROLL_CHOICES):
             raise ValueError(f"prefix_unroll must be one of {(0, *UNROLL_CHOICES)} (0: by pipelining), "
                              f"got {prefix_unroll}")
@@ -162,8 +166,8 @@ class FullRouting:
         check_storage_dtype(embedding_BTD.dtype)
         check_device(embedding_BTD, query_SD, norm_weight_SD)
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
-        self.column_impl = column_impl or default_column_impl(d // heads, heads, n, group)
-        group = group or (n if self.column_impl == "row" else balanced_group(n, DEFAULT_GROUP))
+        self.column_impl = column_impl or default_column_impl(d // heads, heads, group >= n, suffix_impl)
+        group = group or balanced_group(n, DEFAULT_GROUP)
         self.chunk, self.group, self.num_warps = min(chunk, n), min(group, n), num_warps
         self.tile = tile_elements  # register tile size: fixes tokens per program (tile_tokens)
         self._prefix_unroll = prefix_unroll
@@ -380,7 +384,16 @@ class FullRouting:
             # per-head column kernels only: the fp32 value-path gradient and the RMSNorm coupling per head
             "dvp": torch.empty(p, d, dtype=acc_t, device=dev) if self.column_impl == "head" else None,
             "c": torch.empty(h, p, dtype=acc_t, device=dev) if self.column_impl == "head" else None,
+            # the row kernel's suffix pairs' RMSNorm coupling, from the "dot" suffix pass (suffix_keys)
+            "part_c": torch.empty(self.group, p, h, dtype=acc_t, device=dev)
+            if self.group < n and self.suffix_keys() else None,
         }
+
+    def suffix_keys(self) -> bool:
+        """Whether the suffix pass also does its pairs' key path and coupling (into part_dv and part_c): for
+        the full-row column kernel, with the tensor-core suffix (a third product per token there), so that the
+        row kernel reads no suffix pair. The fma suffix leaves the key path to the row kernel's loop."""
+        return self.column_impl == "row" and self.suffix_impl == "dot"
 
     def _suffix(self, g0: int, g_end: int) -> None:
         """Value path and dl of all sites >= g_end against the sources [g0, g_end), one read of each."""
@@ -389,14 +402,16 @@ class FullRouting:
                 g0, g_end - g0, g_end, self.n_sites, self.n_sites, self.p, d, self.heads, self.k)
         grid = lambda block_t: (triton.cdiv(self.p, block_t), self.heads)  # noqa: E731
         if self.suffix_impl == "dot":
+            keys = self.suffix_keys()
+            key_args = (self.r, *self.w_terms, bw["part_c"]) if keys else (self.r, self.r, self.r, self.r)
             g_p = dot_dim(self.group)
             # 4 tokens: the best CUDA-graph time at 350M and 1B on the H200 (2026-12-03, call 2; at 100M the
             # rule of 4096 tile elements gave 4 as well), and the pair-table accesses, contiguous over tokens,
             # are 16-byte rather than 4-byte gathers
             block_t = self.suffix_tokens or 4
-            launch(kern._suffix_dot_bwd_kernel, grid(block_t), *args,
+            launch(kern._suffix_dot_bwd_kernel, grid(block_t), *args, *key_args,
                 G_P=g_p, BLOCK_T=block_t, K_A=self.k_split[0], K_B=self.k_split[1], S_B=SUFFIX_SITE_BLOCK,
-                ACC=self.acc_tl, PREC=self.prec,
+                ACC=self.acc_tl, PREC=self.prec, KEYPATH=keys,
                 num_warps=self.suffix_warps or 4, key=self._key,
             )
             return
@@ -452,6 +467,10 @@ class FullRouting:
         and any tensor stands in for the pointer (there is no part_dv buffer when one group holds every site)."""
         return self._bwd["part_dv"] if g_end < self.n_sites else self._bwd["S"]
 
+    def _part_c(self, g_end: int) -> Tensor:
+        """The suffix pass's coupling partials for the row kernel (S stands in where it reads none)."""
+        return self._bwd["part_c"] if g_end < self.n_sites and self.suffix_keys() else self._bwd["S"]
+
     def _column_rows(self, site: int, g0: int, g_end: int, out_BTD: Tensor, dout: Tensor) -> Tensor:
         """_column with full-row programs (column_impl "row"): one kernel, no fp32 round trip."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
@@ -459,9 +478,10 @@ class FullRouting:
         block_t = self.column_tokens or tile_tokens(self.h_p * self.k_p, ROW_COLUMN_TILE)
         launch(kern._column_row_bwd_kernel, (triton.cdiv(p, block_t),),
             self.rows, self.r, self.w_SD, self.lse, bw["S"], bw["dout"], dout, out_BTD,
-            self.z, bw["dl"], self._part_dv(g_end), dsrc_PD,
+            self.z, bw["dl"], self._part_dv(g_end), self._part_c(g_end), dsrc_PD,
             site, g_end, site - g0, n, p, d, self.heads, self.k,
-            HAS_SUFFIX=g_end < n, BLOCK_T=block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
+            HAS_SUFFIX=g_end < n, SUFFIX_KEYS=self.suffix_keys(), BLOCK_T=block_t, H_P=self.h_p, K_P=self.k_p,
+            ACC=self.acc_tl,
             num_warps=self.column_warps or ROW_COLUMN_WARPS, key=(self._key, aligned(dout), aligned(out_BTD)),
         )
         return dsrc_PD
@@ -479,13 +499,13 @@ class FullRouting:
         return a_part.sum(0)
 
 
-def default_column_impl(k: int, heads: int, n: int, group: int) -> str:
-    """"row" where it was measured to win (COLUMN_IMPLS): power-of-two heads <= 64 wide, at most ROW_MAX_SITES
-    sites in one group (group 0 or >= n), and a full row that fits the row tile (wider rows would leave one
-    token per program with more than 8 elements per thread, where it spills); else "head"."""
-    one_group = group == 0 or group >= n
+def default_column_impl(k: int, heads: int, group_all: bool, suffix_impl: str) -> str:
+    """"row" where it was measured to win (COLUMN_IMPLS): power-of-two heads <= ROW_MAX_HEAD wide whose full row
+    fits the row tile (wider rows would leave one token per program with more than 8 elements per thread, where
+    it spills), when the suffix pass brings its pairs' key path ("dot") or there is no suffix pass (group_all:
+    one group of all sites); else "head"."""
     fits = pow2(heads) * k <= ROW_COLUMN_TILE
-    return "row" if pow2(k) == k <= 64 and n <= ROW_MAX_SITES and one_group and fits else "head"
+    return "row" if pow2(k) == k <= ROW_MAX_HEAD and fits and (suffix_impl == "dot" or group_all) else "head"
 
 
 def balanced_group(n: int, most: int) -> int:

@@ -110,7 +110,7 @@ class FullAttnRes(RoutedResidual):
 
     backend="triton" routes through mhar_lit.kernels.full_routing.FullRouting (chunked cross-site reuse):
     `triton_chunk` sites share one forward prefix pass, `triton_group` sources one backward suffix pass (None:
-    FullRouting's measured defaults: DEFAULT_CHUNK, and a group by column_impl).
+    FullRouting's measured defaults: DEFAULT_CHUNK and balanced groups of at most DEFAULT_GROUP).
     That path needs every site exactly once per forward pass and the backward in reverse order; activation
     checkpointing that recomputes routing raises a RuntimeError (checkpointing sublayers is fine).
     `triton_options` are further FullRouting keywords (kernel versions and tiles, e.g. suffix_impl="fma").

@@ -19,7 +19,7 @@ from kernel_helpers import (fresh_generator, full_mode_loss, full_mode_output_an
 
 from mhar_lit.config import ModelConfig  # noqa: E402
 from mhar_lit.kernels import launch as fast_launch  # noqa: E402
-from mhar_lit.kernels.full_routing import COLUMN_IMPLS, PASS_IMPLS, ROW_MAX_SITES, FullRouting  # noqa: E402
+from mhar_lit.kernels.full_routing import COLUMN_IMPLS, PASS_IMPLS, FullRouting  # noqa: E402
 from mhar_lit.models.decoder import DecoderLM  # noqa: E402
 from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes  # noqa: E402
 from mhar_lit.routing import route  # noqa: E402
@@ -183,25 +183,36 @@ def unrun_routing(d, heads, n, dtype=torch.float32, **knobs):
     return FullRouting(torch.zeros(1, 2, d, dtype=dtype), torch.ones(n, d), torch.ones(n, d), heads, **knobs)
 
 
-def test_default_column_impl_and_group_by_head_width_and_sites():
-    """Full-row column kernels with one group of all sites for power-of-two heads <= 64 wide and at most
-    ROW_MAX_SITES sites (measured: routing.md, session 12); per-head kernels otherwise, with groups of at most
-    16 spread evenly (25 sites: 13 + 12; 49: four of 13); explicit choices win."""
+def test_default_column_impl_and_group_by_head_width_and_suffix():
+    """Full-row column kernels for power-of-two heads <= ROW_MAX_HEAD wide whose full row fits the row tile, when
+    the "dot" suffix pass brings its pairs' key path (or one group holds every site); per-head kernels otherwise
+    (measured: routing.md, session 13). Groups of at most 16 spread evenly either way (25 sites: 13 + 12; 49:
+    four of 13; 73: 15); explicit choices win."""
     make = unrun_routing
     row = make(64, 2, 25)  # K 32
     buffers = row._backward_buffers()
-    assert (row.column_impl, row.group) == ("row", 25) and buffers["dvp"] is None and buffers["c"] is None
-    assert buffers["part_dv"] is None  # no suffix pass: one group holds every site
-    assert (make(64, 2, 25, group=25).column_impl, make(64, 2, 25, group=40).group) == ("row", 25)
-    for d, heads, n, group in ((256, 2, 25, 13), (24, 2, 25, 13), (64, 2, ROW_MAX_SITES + 1, 11), (256, 2, 49, 13),
-                               (256, 2, 73, 15), (256, 2, 16, 16), (256, 2, 5, 5),  # K 128 / 12 / too many sites
-                               (2048, 32, 25, 13)):  # K 64, but 32 heads: a 2048-wide row passes the row tile
+    assert (row.column_impl, row.group, row.suffix_keys()) == ("row", 13, True)
+    assert buffers["dvp"] is None and buffers["c"] is None
+    assert buffers["part_dv"].shape == (13, 2, 64) and buffers["part_c"].shape == (13, 2, 2)
+    for d, heads, n, group in ((256, 2, 25, 13), (1024, 8, 49, 13), (64, 2, 16, 16)):  # K 128 (350M's row: 1024)
+        assert (make(d, heads, n).column_impl, make(d, heads, n).group) == ("row", group), (d, heads, n)
+    for d, heads, n, group in ((1280, 8, 73, 15), (24, 2, 25, 13), (512, 2, 25, 13), (256, 2, 5, 5),
+                               (2048, 32, 25, 13)):  # K 160 / 12 / 256 / 128 as one group; 32 heads of 64: 2048 wide
+        if (d, heads, n) == (256, 2, 5):  # one group of all sites: row, and no suffix pass (no part buffers)
+            one = make(d, heads, n)
+            assert (one.column_impl, one.group, one._backward_buffers()["part_dv"]) == ("row", 5, None)
+            continue
         head = make(d, heads, n)
-        assert (head.column_impl, head.group) == ("head", group), (d, heads, n)
-    # an explicit group that leaves a suffix pass picks the per-head kernels (the row kernel's suffix loop is slow),
-    # unless the row kernel is asked for
-    assert (make(64, 2, 25, group=4).column_impl, make(64, 2, 25, group=4).group) == ("head", 4)
-    assert make(64, 2, 25, group=4, column_impl="row").column_impl == "row"
+        assert (head.column_impl, head.group, head.suffix_keys()) == ("head", group, False), (d, heads, n)
+        assert head._backward_buffers()["part_c"] is None
+    # the fma suffix leaves the suffix pairs' key path to the row kernel's (slow) loop: per-head kernels unless
+    # one group holds every site, or the row kernel is asked for
+    fma = dict(suffix_impl="fma")
+    assert (make(64, 2, 25, **fma).column_impl, make(64, 2, 25, **fma).group) == ("head", 13)
+    assert (make(64, 2, 25, group=40, **fma).column_impl, make(64, 2, 25, group=40, **fma).group) == ("row", 25)
+    forced = make(64, 2, 25, column_impl="row", **fma)
+    assert (forced.column_impl, forced.suffix_keys(), forced._backward_buffers()["part_c"]) == ("row", False, None)
+    assert (make(64, 2, 25, group=4).column_impl, make(64, 2, 25, group=4).group) == ("row", 4)
     assert (make(64, 2, 25, column_impl="head").column_impl, make(64, 2, 25, column_impl="head").group) == ("head", 13)
 
 
