@@ -132,7 +132,8 @@ class FullRouting:
                  column_tokens: int = 0, column_warps: int = 0, prefix_impl: str = DEFAULT_PREFIX_IMPL,
                  prefix_tokens: int = 0, prefix_warps: int = 0, column_width: int = 0,
                  keypath_tokens: int = 0, keypath_warps: int = 0, keypath_width: int = 0,
-                 column_sites: int = 0, column_impl: str = "", prefix_stages: int = 0) -> None:
+                 column_sites: int = 0, column_impl: str = "", prefix_stages: int = 0,
+                 logits_tokens: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -159,7 +160,7 @@ class FullRouting:
                              f"sites and group), got {column_impl!r}")
         for name, tokens, warps in (("suffix", suffix_tokens, suffix_warps), ("column", column_tokens, column_warps),
                                     ("prefix", prefix_tokens, prefix_warps),
-                                    ("keypath", keypath_tokens, keypath_warps)):
+                                    ("keypath", keypath_tokens, keypath_warps), ("logits", logits_tokens, 0)):
             if tokens < 0 or tokens & (tokens - 1) or warps < 0:
                 raise ValueError(f"{name}_tokens ({tokens}) must be 0 (automatic) or a power of two, "
                                  f"{name}_warps ({warps}) 0 (automatic) or positive")
@@ -175,6 +176,9 @@ class FullRouting:
         self.suffix_tokens, self.suffix_warps, self.suffix_impl = suffix_tokens, suffix_warps, suffix_impl
         self.column_tokens, self.column_warps = column_tokens, column_warps
         self.prefix_impl, self.prefix_tokens, self.prefix_warps = prefix_impl, prefix_tokens, prefix_warps
+        if 0 < logits_tokens < 16:
+            raise ValueError(f"logits_tokens ({logits_tokens}) must be >= 16: the logits are a tensor-core product")
+        self.logits_tokens = logits_tokens or DOT_TOKENS
         if 0 < keypath_tokens < 16:
             raise ValueError(f"keypath_tokens ({keypath_tokens}) must be >= 16: the key path is a tensor-core "
                              "product over tokens")
@@ -303,9 +307,9 @@ class FullRouting:
             BLOCK_T=block_t, D_P=d_p, ACC=self.acc_tl, num_warps=self.num_warps,
             key=(self._key, aligned(source)),
         )
-        launch(kern._logits_kernel, (triton.cdiv(p, DOT_TOKENS), self.heads),
+        launch(kern._logits_kernel, (triton.cdiv(p, self.logits_tokens), self.heads),
             self.rows, self.r, *self.w_terms, self.z, site, n, p, d, self.heads, self.k,
-            BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n - site), ACC=self.acc_tl, PREC=self.prec,
+            BLOCK_T=self.logits_tokens, K_B=self.k_b, S_P=dot_dim(n - site), ACC=self.acc_tl, PREC=self.prec,
             num_warps=4, key=self._key,
         )
 

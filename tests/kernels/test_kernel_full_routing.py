@@ -136,7 +136,7 @@ def test_unroll_and_tiling_change_nothing():
         tiled = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, suffix_tokens=8,
                                   suffix_warps=8, prefix_tokens=4, prefix_warps=2, column_tokens=2,
                                   column_warps=4, keypath_tokens=16, keypath_warps=2, keypath_width=16,
-                                  column_sites=1, prefix_stages=3, **impl)
+                                  column_sites=1, prefix_stages=3, logits_tokens=16, **impl)
         for name, a, b in zip(NAMES, tiled, base):
             assert rel(a, b) <= 1e-6, f"{impl} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
 
@@ -280,6 +280,8 @@ def test_column_blocks_change_nothing():
     (dict(prefix_tokens=6), "prefix_tokens"),
     (dict(column_width=3), "column_width 3 must be a power of two dividing"),
     (dict(keypath_tokens=8), "keypath_tokens \\(8\\) must be >= 16"),
+    (dict(logits_tokens=8), "logits_tokens \\(8\\) must be >= 16"),
+    (dict(logits_tokens=24), "logits_tokens \\(24\\) must be 0 \\(automatic\\) or a power of two"),
     (dict(keypath_tokens=24), "power of two"),
     (dict(column_width=4), "column_width 4 must be a power of two dividing the head width 2"),
     (dict(column_impl="rows"), "column_impl must be one of"),
