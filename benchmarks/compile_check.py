@@ -43,7 +43,7 @@ SHAPES = {  # name: (B, T, d, sites, H), as benchmarks/routing.py
 }
 BLOCK_SPAN = {"100M": 4, "350M": 6, "1B": 12, "tiny": 4}  # sites per block (benchmarks/train_step.py)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_TYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+_TYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64", torch.int64: "i64"}
 
 
 def record_launches(shape_name, dtype, knobs, mode="full"):
@@ -126,7 +126,12 @@ def compile_all(shape_names, dtype, knobs, arch=90, mode="full"):
                 shared = getattr(compiled.metadata, "shared", "?")
                 ptx = compiled.asm.get("ptx", "")
                 asyncs = ptx.count("cp.async.ca") + ptx.count("cp.async.cg") + ptx.count("cp.async.bulk")
-                print(f"{label}  {_usage(compiled.asm['cubin'])} smem {shared} async copies {asyncs}", flush=True)
+                # global loads by width: 16-byte (v4 of 32 bit), 8-byte (v2) and the rest (a pointer the compiler
+                # cannot prove aligned gets narrow loads)
+                loads = re.findall(r"ld\.global(?:\.\w+)*?(\.v[24])?\.[bfsu](?:8|16|32|64)\b", ptx)
+                widths = f"loads v4 {loads.count('.v4')} v2 {loads.count('.v2')} other {loads.count('')}"
+                print(f"{label}  {_usage(compiled.asm['cubin'])} smem {shared} async copies {asyncs} {widths}",
+                      flush=True)
             except Exception as err:  # report every failing configuration, not only the first
                 failures += 1
                 cause = f" (cause: {err.__cause__!r})" if err.__cause__ is not None else ""

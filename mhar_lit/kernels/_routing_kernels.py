@@ -131,6 +131,15 @@ def _pair_row(src, site, N):
     return j * N - (j * (j - 1)) // 2 + (site - j)
 
 
+@triton.jit
+def _dout_rows(dout_ptrs_ptr, s, ok, store_ty: tl.constexpr):
+    """The [P, D] dout of site(s) s (a scalar or a vector) as pointers, from the backward's table of the douts
+    autograd delivered (FullRouting keeps those tensors alive instead of copying them into a buffer); null
+    where not ok (such lanes must stay masked)."""
+    rows = tl.load(dout_ptrs_ptr + s, mask=ok, other=0).to(tl.pointer_type(store_ty))
+    return tl.multiple_of(rows, 16)  # FullRouting enters only 16-byte aligned douts (vector loads)
+
+
 @triton.jit(do_not_specialize=["row"])
 def _append_kernel(new_ptr, rows_ptr, r_ptr, row, P, D, eps,
                    BLOCK_T: tl.constexpr, D_P: tl.constexpr, ACC: tl.constexpr):
@@ -430,12 +439,12 @@ def _site_bwd_kernel(
 
 
 @triton.jit
-def _suffix_loads(dout_buf_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK, offs_t, mask_t,
-                  s, s_lo, s_hi, row_stride, P, H, h):
+def _suffix_loads(dout_ptrs_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK, offs_t, mask_t,
+                  s, s_lo, s_hi, P, H, h, store_ty: tl.constexpr):
     """Everything the suffix pass reads of site s: dout (storage dtype), the lse and S of its tokens, the
     logits of the group's pairs (-inf when s >= s_hi) and their offset in the pair table."""
     ok = s < s_hi
-    dout = tl.load(dout_buf_ptr + s * row_stride + tile_TK, mask=mask_TK & ok, other=0.0)
+    dout = tl.load(_dout_rows(dout_ptrs_ptr, s, ok, store_ty) + tile_TK, mask=mask_TK & ok, other=0.0)
     lse = tl.load(lse_ptr + (s * P + offs_t) * H + h, mask=mask_t & ok, other=0.0)
     S = tl.load(S_ptr + (s * P + offs_t) * H + h, mask=mask_t & ok, other=0.0)
     z_off = z_GT + (s - s_lo) * H * P  # a source's pairs are consecutive rows
@@ -455,7 +464,7 @@ def _suffix_pair(v, dout, shifted_logit, S, dl_ptr, z_off, mask_store, dv, ACC: 
 
 @triton.jit(do_not_specialize=["n_lo", "n_src", "s_lo"])
 def _suffix_bwd_kernel(
-    rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, z_ptr, dl_ptr, part_dv_ptr,
+    rows_ptr, lse_ptr, S_ptr, dout_ptrs_ptr, z_ptr, dl_ptr, part_dv_ptr,
     n_lo, n_src, s_lo, s_hi, N, P, D, H, K,
     G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr, UNROLL: tl.constexpr,
 ):
@@ -478,6 +487,7 @@ def _suffix_bwd_kernel(
     tile_TK = offs_t[:, None].to(tl.int64) * D + col[None, :]
     mask_TK = mask_t[:, None] & mask_k[None, :]
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
+    store_ty = rows_ptr.dtype.element_ty
 
     mask_GT = mask_g[:, None] & mask_t[None, :]
     mask_GTK = mask_GT[:, :, None] & mask_k[None, None, :]
@@ -488,16 +498,16 @@ def _suffix_bwd_kernel(
     # UNROLL later sites per step with their loads issued together (see _prefix_fwd_kernel); sites past
     # s_hi load logits of -inf, so their alpha, dl and value-path terms are exact zeros.
     for s in range(s_lo, s_hi, UNROLL):
-        d0, a0, S0, o0 = _suffix_loads(dout_buf_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK,
-                                       offs_t, mask_t, s, s_lo, s_hi, row_stride, P, H, h)
+        d0, a0, S0, o0 = _suffix_loads(dout_ptrs_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK,
+                                       offs_t, mask_t, s, s_lo, s_hi, P, H, h, store_ty)
         if UNROLL >= 2:
-            d1, a1, S1, o1 = _suffix_loads(dout_buf_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK,
-                                           offs_t, mask_t, s + 1, s_lo, s_hi, row_stride, P, H, h)
+            d1, a1, S1, o1 = _suffix_loads(dout_ptrs_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK,
+                                           offs_t, mask_t, s + 1, s_lo, s_hi, P, H, h, store_ty)
         if UNROLL >= 4:
-            d2, a2, S2, o2 = _suffix_loads(dout_buf_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK,
-                                           offs_t, mask_t, s + 2, s_lo, s_hi, row_stride, P, H, h)
-            d3, a3, S3, o3 = _suffix_loads(dout_buf_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK,
-                                           offs_t, mask_t, s + 3, s_lo, s_hi, row_stride, P, H, h)
+            d2, a2, S2, o2 = _suffix_loads(dout_ptrs_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK,
+                                           offs_t, mask_t, s + 2, s_lo, s_hi, P, H, h, store_ty)
+            d3, a3, S3, o3 = _suffix_loads(dout_ptrs_ptr, lse_ptr, S_ptr, z_ptr, z_GT, mask_GT, tile_TK, mask_TK,
+                                           offs_t, mask_t, s + 3, s_lo, s_hi, P, H, h, store_ty)
         dv = _suffix_pair(v, d0, a0, S0, dl_ptr, o0, mask_GT & (s < s_hi), dv, ACC)
         if UNROLL >= 2:
             dv = _suffix_pair(v, d1, a1, S1, dl_ptr, o1, mask_GT & (s + 1 < s_hi), dv, ACC)
@@ -557,7 +567,7 @@ def _head_slice(offs_t, h, K, D, k0, KW: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_lo", "n_src", "s_lo"])
 def _suffix_dot_bwd_kernel(
-    rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, z_ptr, dl_ptr, part_dv_ptr,
+    rows_ptr, lse_ptr, S_ptr, dout_ptrs_ptr, z_ptr, dl_ptr, part_dv_ptr,
     n_lo, n_src, s_lo, s_hi, N, P, D, H, K,
     r_ptr, w_hi_ptr, w_lo_ptr, part_c_ptr,
     G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, S_B: tl.constexpr,
@@ -603,13 +613,13 @@ def _suffix_dot_bwd_kernel(
     for s0 in range(s_lo, s_hi, S_B):
         s = s0 + offs_s
         ok_s = s < s_hi
-        s_off = s[None, :, None].to(tl.int64) * row_stride
+        s_rows = _dout_rows(dout_ptrs_ptr, s, ok_s, store_ty)[None, :, None]
         mask_ts3 = mask_t[:, None, None] & ok_s[None, :, None]
-        dout_a = _mma_operand(tl.load(dout_buf_ptr + s_off + tok_a, mask=mask_ts3 & mk_a, other=0.0),
+        dout_a = _mma_operand(tl.load(s_rows + tok_a, mask=mask_ts3 & mk_a, other=0.0),
                               store_ty, ACC)  # [BLOCK_T, S_B, K_A]
         gdot = _mma(v_a, tl.permute(dout_a, (0, 2, 1)), tl.zeros([BLOCK_T, G_P, S_B], ACC), store_ty, ACC, PREC)
         if K_B > 0:
-            dout_b = _mma_operand(tl.load(dout_buf_ptr + s_off + tok_b, mask=mask_ts3 & mk_b, other=0.0),
+            dout_b = _mma_operand(tl.load(s_rows + tok_b, mask=mask_ts3 & mk_b, other=0.0),
                                   store_ty, ACC)
             gdot = _mma(v_b, tl.permute(dout_b, (0, 2, 1)), gdot, store_ty, ACC, PREC)
         ts = (s[None, :].to(tl.int64) * P + offs_t[:, None]) * H + h  # [BLOCK_T, S_B] of the [N, P, H] tensors
@@ -663,13 +673,13 @@ def _suffix_keypath(dl_hi, dl_lo, w_hi_ptr, w_lo_ptr, s, ok_s, h, K, D, k0, dv, 
 
 
 @triton.jit
-def _in_group_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, s0, g_end, pair0, src, offs_j, tile, mask, mask_t, th, zt,
-                    row_stride, P, H):
+def _in_group_loads(dout_ptrs_ptr, S_ptr, z_ptr, lse_ptr, s0, g_end, pair0, src, offs_j, tile, mask, mask_t, th, zt,
+                    P, H, store_ty: tl.constexpr):
     """Loads of the in-group sites s0 .. s0 + J_B - 1 (< g_end) for the column's source: dout [BLOCK_T, J_B,
     K_P] (storage dtype), S, logit and lse [BLOCK_T, J_B] (masked lanes: zeros)."""
     s = s0 + offs_j
     mask_tj = mask_t[:, None] & (s < g_end)[None, :]
-    douts = tl.load(dout_buf_ptr + s[None, :, None].to(tl.int64) * row_stride + tile[:, None, :],
+    douts = tl.load(_dout_rows(dout_ptrs_ptr, s, s < g_end, store_ty)[None, :, None] + tile[:, None, :],
                     mask=mask_tj[:, :, None] & mask[:, None, :], other=0.0)
     tj = s[None, :].to(tl.int64) * P * H + th[:, None]
     S_j = tl.load(S_ptr + tj, mask=mask_tj, other=0.0)
@@ -678,18 +688,18 @@ def _in_group_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, s0, g_end, pair0, src, 
     return douts, S_j, logit_j, lse_j
 
 
-@triton.jit(do_not_specialize=["src", "g_end", "part_slot"])
+@triton.jit(do_not_specialize=["src", "g_end", "part_slot", "dout_addr"])
 def _column_bwd_kernel(
-    rows_ptr, lse_ptr, S_ptr, dout_buf_ptr, dout_new_ptr, out_new_ptr,
+    rows_ptr, lse_ptr, S_ptr, dout_ptrs_ptr, dout_new_ptr, out_new_ptr,
     z_ptr, dl_ptr, part_dv_ptr, dvp_ptr, c_ptr,
-    src, g_end, part_slot, N, P, D, H, K,
+    src, g_end, part_slot, N, P, D, H, K, dout_addr,
     HAS_SUFFIX: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr, S_P: tl.constexpr, J_B: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """Full-mode backward of site `src`, one head: everything of source `src` but its key path.
 
-    The new site's dout arrives (dout_new; S = <dout, out> of this head is taken here; both are appended to
-    dout_buf/S for the later passes). The pairs (s, src) for in-group sites s in [src, g_end) are computed
+    The new site's dout arrives (dout_new, at address dout_addr: the first program enters it into the table
+    dout_ptrs for the later passes; S = <dout, out> of this head is taken here and appended to S). The pairs (s, src) for in-group sites s in [src, g_end) are computed
     here (value path, dl stored); the pairs s >= g_end came from the suffix pass (part_dv, dl).
     Writes the value-path gradient dvp [P, D] (fp32) and this head's share of the RMSNorm coupling
     c [H, P] (sum over pairs of dl * logit); _keypath_kernel adds the key path and writes the gradient.
@@ -724,8 +734,9 @@ def _column_bwd_kernel(
         mask_ts = mask_t[:, None] & (offs_s[None, :] < N)
         dl_s = tl.load(dl_ptr + zts, mask=mask_ts, other=0.0)
         z_s = tl.load(z_ptr + zts, mask=mask_ts, other=0.0)
-    douts, S_j, logit_j, lse_j = _in_group_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, src + 1, g_end, pair0, src,
-                                                 offs_j, tile, mask, mask_t, th, zt, row_stride, P, H)
+    store_ty = rows_ptr.dtype.element_ty
+    douts, S_j, logit_j, lse_j = _in_group_loads(dout_ptrs_ptr, S_ptr, z_ptr, lse_ptr, src + 1, g_end, pair0, src,
+                                                 offs_j, tile, mask, mask_t, th, zt, P, H, store_ty)
 
     dout = dout_raw.to(ACC)
     S = tl.sum(dout * out_new.to(ACC), axis=1)
@@ -736,10 +747,11 @@ def _column_bwd_kernel(
     if HAS_SUFFIX:
         dv += part_dv
         c += tl.sum(dl_s * z_s, axis=1)
-    tl.store(dout_buf_ptr + src * row_stride + tile, dout_raw, mask=mask)
+    if (pid_t == 0) & (h == 0):
+        tl.store(dout_ptrs_ptr + src, dout_addr)
     tl.store(S_ptr + src * P * H + th, S, mask=mask_t)
     tl.store(dl_ptr + pair0 * H * P + zt, dl, mask=mask_t)
-    # in-group sites (their dout and S already sit in the buffers), J_B per step as one [BLOCK_T, J_B, K_P]
+    # in-group sites (their dout in the table, their S in the buffer), J_B per step as one [BLOCK_T, J_B, K_P]
     # tile; each step's loads were issued one step ahead (_in_group_loads), before the previous dl store
     for s0 in range(src + 1, g_end, J_B):
         s = s0 + offs_j
@@ -749,20 +761,20 @@ def _column_bwd_kernel(
         dv += tl.sum(alpha_j[:, :, None] * douts.to(ACC), axis=1)
         c += tl.sum(dl_j * logit_j, axis=1)
         zj = (pair0 + s - src)[None, :].to(tl.int64) * H * P + zt[:, None]
-        douts, S_j, logit_j, lse_j = _in_group_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, s0 + J_B, g_end, pair0,
-                                                     src, offs_j, tile, mask, mask_t, th, zt, row_stride, P, H)
+        douts, S_j, logit_j, lse_j = _in_group_loads(dout_ptrs_ptr, S_ptr, z_ptr, lse_ptr, s0 + J_B, g_end, pair0,
+                                                     src, offs_j, tile, mask, mask_t, th, zt, P, H, store_ty)
         tl.store(dl_ptr + zj, dl_j, mask=mask_tj)
     tl.store(dvp_ptr + tile, dv, mask=mask)
     tl.store(c_ptr + zt, c, mask=mask_t)
 
 
 @triton.jit
-def _row_site_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, s, g_end, pair0, src, tile, mask, th, zth, mask_th,
-                    col_HK, mask_hk, row_stride, P, D, H):
+def _row_site_loads(dout_ptrs_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, s, g_end, pair0, src, tile, mask, th, zth, mask_th,
+                    col_HK, mask_hk, P, D, H, store_ty: tl.constexpr):
     """What the full-row column kernel reads of in-group site s (< g_end, else zeros): dout [BLOCK_T, H_P, K_P]
     (storage dtype), S, logit and lse [BLOCK_T, H_P], and w_s = q_s g_s [H_P, K_P]."""
     ok = s < g_end
-    dout = tl.load(dout_buf_ptr + s * row_stride + tile, mask=mask & ok, other=0.0)
+    dout = tl.load(_dout_rows(dout_ptrs_ptr, s, ok, store_ty) + tile, mask=mask & ok, other=0.0)
     S = tl.load(S_ptr + s * P * H + th, mask=mask_th & ok, other=0.0)
     logit = tl.load(z_ptr + (pair0 + s - src) * H * P + zth, mask=mask_th & ok, other=0.0)
     lse = tl.load(lse_ptr + s * P * H + th, mask=mask_th & ok, other=0.0)
@@ -793,11 +805,11 @@ def _row_pair(dout, S, logit, lse, w, v_raw, r, mask_th, dv, c, ACC: tl.constexp
     return dl, dv, c + dl * logit
 
 
-@triton.jit(do_not_specialize=["src", "g_end", "part_slot"])
+@triton.jit(do_not_specialize=["src", "g_end", "part_slot", "dout_addr"])
 def _column_row_bwd_kernel(
-    rows_ptr, r_ptr, w_ptr, lse_ptr, S_ptr, dout_buf_ptr, dout_new_ptr, out_new_ptr,
+    rows_ptr, r_ptr, w_ptr, lse_ptr, S_ptr, dout_ptrs_ptr, dout_new_ptr, out_new_ptr,
     z_ptr, dl_ptr, part_dv_ptr, part_c_ptr, dsrc_ptr,
-    src, g_end, part_slot, N, P, D, H, K,
+    src, g_end, part_slot, N, P, D, H, K, dout_addr,
     HAS_SUFFIX: tl.constexpr, SUFFIX_KEYS: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr,
     K_P: tl.constexpr, ACC: tl.constexpr,
 ):
@@ -830,23 +842,25 @@ def _column_row_bwd_kernel(
         part_dv = tl.load(part_dv_ptr + part_slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
         if SUFFIX_KEYS:
             part_c = tl.load(part_c_ptr + part_slot * P * H + th, mask=mask_th, other=0.0)
-    dout_j, S_j, logit_j, lse_j, w_j = _row_site_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, src + 1, g_end,
+    store_ty = rows_ptr.dtype.element_ty
+    dout_j, S_j, logit_j, lse_j, w_j = _row_site_loads(dout_ptrs_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, src + 1, g_end,
                                                       pair0, src, tile, mask, th, zth, mask_th, col_HK, mask_hk,
-                                                      row_stride, P, D, H)
+                                                      P, D, H, store_ty)
 
     S = tl.sum(dout_raw.to(ACC) * out_new.to(ACC), axis=2)
     dv = tl.zeros([BLOCK_T, H_P, K_P], ACC)
     dl, dv, c = _row_pair(dout_raw, S, logit, lse, w, v_raw, r, mask_th, dv, tl.zeros([BLOCK_T, H_P], ACC), ACC)
-    tl.store(dout_buf_ptr + src * row_stride + tile, dout_raw, mask=mask)
+    if tl.program_id(0) == 0:  # dout_new enters the table of douts for the sources before src
+        tl.store(dout_ptrs_ptr + src, dout_addr)
     tl.store(S_ptr + src * P * H + th, S, mask=mask_th)
     tl.store(dl_ptr + pair0 * H * P + zth, dl, mask=mask_th)
-    # in-group sites (their dout and S already sit in the buffers), each step's loads issued one step ahead
+    # in-group sites (their dout in the table, their S in the buffer), each step's loads issued one step ahead
     for s in range(src + 1, g_end):
         dl_s, dv, c = _row_pair(dout_j, S_j, logit_j, lse_j, w_j, v_raw, r, mask_th, dv, c, ACC)
         z_off = (pair0 + s - src) * H * P + zth
-        dout_j, S_j, logit_j, lse_j, w_j = _row_site_loads(dout_buf_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, s + 1, g_end,
+        dout_j, S_j, logit_j, lse_j, w_j = _row_site_loads(dout_ptrs_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, s + 1, g_end,
                                                           pair0, src, tile, mask, th, zth, mask_th, col_HK,
-                                                          mask_hk, row_stride, P, D, H)
+                                                          mask_hk, P, D, H, store_ty)
         tl.store(dl_ptr + z_off, dl_s, mask=mask_th)
     if HAS_SUFFIX and SUFFIX_KEYS:
         dv += part_dv

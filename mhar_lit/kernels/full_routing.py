@@ -380,7 +380,10 @@ class FullRouting:
         n, p, d, h = self.n_sites, self.p, self.shape[2], self.heads
         dev, acc_t = self.device, self.acc_t
         return {
-            "dout": torch.empty(n, p, d, dtype=self.dtype, device=dev),
+            # every site's dout as delivered by autograd, kept alive here and found by the kernels through a table
+            # of their addresses (each column kernel enters its own): no copy into a buffer of all douts
+            "douts": [None] * n,
+            "dout_ptrs": torch.zeros(n, dtype=torch.int64, device=dev),
             "S": torch.empty(n, p, h, dtype=acc_t, device=dev),
             "dl": torch.empty_like(self.z),  # softmax gradient of every pair, same layout as the logits
             # the suffix pass's value-path partials of a group (none when one group holds every site)
@@ -402,7 +405,7 @@ class FullRouting:
     def _suffix(self, g0: int, g_end: int) -> None:
         """Value path and dl of all sites >= g_end against the sources [g0, g_end), one read of each."""
         bw, d = self._bwd, self.shape[2]
-        args = (self.rows, self.lse, bw["S"], bw["dout"], self.z, bw["dl"], bw["part_dv"],
+        args = (self.rows, self.lse, bw["S"], bw["dout_ptrs"], self.z, bw["dl"], bw["part_dv"],
                 g0, g_end - g0, g_end, self.n_sites, self.n_sites, self.p, d, self.heads, self.k)
         grid = lambda block_t: (triton.cdiv(self.p, block_t), self.heads)  # noqa: E731
         if self.suffix_impl == "dot":
@@ -434,15 +437,18 @@ class FullRouting:
         """Finish source `site`: in-group pairs and value path, then the key path of all its pairs."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
         dout = dout_BTD.to(self.dtype).contiguous()
+        if not aligned(dout):  # the kernels read the table's douts as 16-byte aligned rows (_dout_rows)
+            dout = dout.clone()
+        bw["douts"][site] = dout  # the later passes read it through bw["dout_ptrs"]
         if self.column_impl == "row":
             return self._column_rows(site, g0, g_end, out_BTD, dout)
         # the in-group sites' [tokens, J_B, K] tile takes J_B times the registers of a row's
         j_b = min(self.column_sites, pow2(self.group))
         block_t = self.column_tokens or tile_tokens(j_b * self.k_p, self.tile)
         launch(kern._column_bwd_kernel, (triton.cdiv(p, block_t), self.heads),
-            self.rows, self.lse, bw["S"], bw["dout"], dout, out_BTD,
+            self.rows, self.lse, bw["S"], bw["dout_ptrs"], dout, out_BTD,
             self.z, bw["dl"], self._part_dv(g_end), bw["dvp"], bw["c"],
-            site, g_end, site - g0, n, p, d, self.heads, self.k,
+            site, g_end, site - g0, n, p, d, self.heads, self.k, dout.data_ptr(),
             HAS_SUFFIX=g_end < n, BLOCK_T=block_t, K_P=self.k_p, S_P=dot_dim(n - g_end), J_B=j_b, ACC=self.acc_tl,
             num_warps=self.column_warps or self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
         )
@@ -481,9 +487,9 @@ class FullRouting:
         dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
         block_t = self.column_tokens or tile_tokens(self.h_p * self.k_p, ROW_COLUMN_TILE)
         launch(kern._column_row_bwd_kernel, (triton.cdiv(p, block_t),),
-            self.rows, self.r, self.w_SD, self.lse, bw["S"], bw["dout"], dout, out_BTD,
+            self.rows, self.r, self.w_SD, self.lse, bw["S"], bw["dout_ptrs"], dout, out_BTD,
             self.z, bw["dl"], self._part_dv(g_end), self._part_c(g_end), dsrc_PD,
-            site, g_end, site - g0, n, p, d, self.heads, self.k,
+            site, g_end, site - g0, n, p, d, self.heads, self.k, dout.data_ptr(),
             HAS_SUFFIX=g_end < n, SUFFIX_KEYS=self.suffix_keys(), BLOCK_T=block_t, H_P=self.h_p, K_P=self.k_p,
             ACC=self.acc_tl,
             num_warps=self.column_warps or ROW_COLUMN_WARPS, key=(self._key, aligned(dout), aligned(out_BTD)),
