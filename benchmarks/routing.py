@@ -165,7 +165,8 @@ def cuda_event_times(fn, reps, prepare=lambda: None):
 
 def time_graphed(prob, options, warmup, reps):
     """The chunked Triton routing's forward + backward captured once in a CUDA graph and replayed: kernel time
-    without the host's launch cost (what LanguageModel(cuda_graph=True) runs). Median of reps replays."""
+    without the host's launch cost (what LanguageModel(cuda_graph=True) runs). Median of reps replays, all
+    replay times, and the largest relative error of a replay on new input values against an eager run."""
     leaves = fresh_leaves(prob)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -180,8 +181,18 @@ def time_graphed(prob, options, warmup, reps):
         run_once(prob, "triton", leaves=leaves, options=options)
     graph.replay()
     result = cuda_event_times(lambda _: graph.replay(), reps)
+    # Correctness of the captured path: new values in the captured inputs, one replay, against an eager run on
+    # the same values (the same deterministic kernels: bitwise equal is expected)
+    with torch.no_grad():
+        for leaf in leaves:
+            leaf.mul_(0.5).add_(torch.randn_like(leaf), alpha=0.25)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [x.clone() for x in grads_of(leaves)]
+    eager = grads_of(run_once(prob, "triton", leaves=[x.detach().clone().requires_grad_() for x in leaves],
+                              options=options))
     del graph
-    return result
+    return (*result, max(rel(a, b) for a, b in zip(replayed, eager)))
 
 
 def copy_bandwidth():
@@ -276,9 +287,10 @@ def main():
                 ms, times = time_variant(prob, variant, compiled, options, warmup, reps)
                 entry["variants"][label] = dict(ms=ms, times=times, check=checked)
                 if args.graph and variant == "triton" and DEVICE == "cuda":
-                    graph_ms, graph_times = time_graphed(prob, options, warmup, args.reps)
-                    entry["variants"][label].update(graph_ms=graph_ms, graph_times=graph_times)
-                    status_graph = f" graphed {graph_ms:.2f} ms"
+                    graph_ms, graph_times, graph_error = time_graphed(prob, options, warmup, args.reps)
+                    entry["variants"][label].update(graph_ms=graph_ms, graph_times=graph_times,
+                                                    graph_vs_eager=graph_error)
+                    status_graph = f" graphed {graph_ms:.2f} ms (replay vs eager {graph_error:.0e})"
                 else:
                     status_graph = ""
                 status = "" if checked is None else (
