@@ -23,8 +23,10 @@ suffix pass reads the group's rows once and every later site's dout once: per pa
 (<dout, v>) and one FMA (value path), by default as two small tensor-core products per token (see
 PASS_IMPLS); it writes dl and the group's partial gradients. Each site's backward then finishes its own
 source with the in-group sites, either per head (column kernel, then a tensor-core pass that adds the key path
-of all its pairs through the RMSNorm, dl @ w) or on full rows in one pass (COLUMN_IMPLS; by default at the 100M
-shape, with one group of all sites and so no suffix pass). dq, dg come from one tensor-core pass at the end
+of all its pairs through the RMSNorm, dl @ w) or on full rows in one pass (COLUMN_IMPLS; by default where heads
+are <= 128 wide, with the suffix pass doing its pairs' key path too). The douts are not copied: the tensors
+autograd delivers are kept and the kernels find them through a table of their addresses (_dout_rows), which
+each site's column kernel fills in for its own dout. dq, dg come from one tensor-core pass at the end
 (sum over pairs and tokens of dl kr) with per-block partials summed on the host in a fixed order:
 deterministic, no atomics. They are returned with the last backward call (site 0), which owns the full
 query/key-norm parameters as autograd inputs.
