@@ -699,8 +699,9 @@ def _column_bwd_kernel(
     """Full-mode backward of site `src`, one head: everything of source `src` but its key path.
 
     The new site's dout arrives (dout_new, at address dout_addr: the first program enters it into the table
-    dout_ptrs for the later passes; S = <dout, out> of this head is taken here and appended to S). The pairs (s, src) for in-group sites s in [src, g_end) are computed
-    here (value path, dl stored); the pairs s >= g_end came from the suffix pass (part_dv, dl).
+    dout_ptrs for the later passes; S = <dout, out> of this head is taken here and appended to S). The pairs
+    (s, src) for in-group sites s in [src, g_end) are computed here (value path, dl stored); the pairs
+    s >= g_end came from the suffix pass (part_dv, dl).
     Writes the value-path gradient dvp [P, D] (fp32) and this head's share of the RMSNorm coupling
     c [H, P] (sum over pairs of dl * logit); _keypath_kernel adds the key path and writes the gradient.
 
@@ -862,12 +863,12 @@ def _column_row_bwd_kernel(
                                                           pair0, src, tile, mask, th, zth, mask_th, col_HK,
                                                           mask_hk, P, D, H, store_ty)
         tl.store(dl_ptr + z_off, dl_s, mask=mask_th)
-    if HAS_SUFFIX and SUFFIX_KEYS:
+    if HAS_SUFFIX:
         dv += part_dv
+    if HAS_SUFFIX and SUFFIX_KEYS:
         c += part_c
     if HAS_SUFFIX and not SUFFIX_KEYS:
         # the suffix pairs' key path (their value path is part_dv); no stores, so loads run one site ahead
-        dv += part_dv
         dl_s, logit_s, w_s = _row_suffix_loads(dl_ptr, z_ptr, w_ptr, g_end, pair0, src, N, zth, mask_th, col_HK,
                                                mask_hk, P, D, H)
         for s in range(g_end, N):

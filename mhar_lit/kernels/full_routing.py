@@ -159,7 +159,7 @@ class FullRouting:
                 raise ValueError(f"{name} must be one of {PASS_IMPLS}, got {impl!r}")
         if column_impl not in ("", *COLUMN_IMPLS):
             raise ValueError(f"column_impl must be one of {COLUMN_IMPLS} (or '' for the default by head width, "
-                             f"sites and group), got {column_impl!r}")
+                             f"row tile and suffix pass), got {column_impl!r}")
         for name, tokens, warps in (("suffix", suffix_tokens, suffix_warps), ("column", column_tokens, column_warps),
                                     ("prefix", prefix_tokens, prefix_warps),
                                     ("keypath", keypath_tokens, keypath_warps), ("logits", logits_tokens, 0)):
@@ -480,8 +480,10 @@ class FullRouting:
         return self._bwd["part_dv"] if g_end < self.n_sites else self._bwd["S"]
 
     def _part_c(self, g_end: int) -> Tensor:
-        """The suffix pass's coupling partials for the row kernel (S stands in where it reads none)."""
-        return self._bwd["part_c"] if g_end < self.n_sites and self.suffix_keys() else self._bwd["S"]
+        """The suffix pass's coupling partials for the row kernel (S stands in where it reads none: no suffix
+        pass, or one that leaves the key path to the row kernel, and then there is no part_c buffer)."""
+        part_c = self._bwd["part_c"]
+        return part_c if g_end < self.n_sites and part_c is not None else self._bwd["S"]
 
     def _column_rows(self, site: int, g0: int, g_end: int, out_BTD: Tensor, dout: Tensor) -> Tensor:
         """_column with full-row programs (column_impl "row"): one kernel, no fp32 round trip."""
