@@ -1,7 +1,7 @@
 """Block-mode routing benchmark: all 2L+1 routing sites of one microbatch (BlockAttnRes), forward + backward.
 
     python benchmarks/block_routing.py [--shapes 100M 350M 1B] [--variants torch triton_percall triton]
-                                       [--configs 4x4096 8x4096] [--graph] [--out benchmarks/results]
+                                       [--configs 4x2048x1 8x2048x2] [--graph] [--out benchmarks/results]
 
 The strategy object itself is driven (begin / sublayer_input / sublayer_output / final), with the sublayers
 replaced as in benchmarks/routing.py by precomputed outputs tied to the site outputs (_Tie), so the partial
@@ -9,11 +9,11 @@ sums, block boundaries and autograd order are the model's. Variants:
   torch           BlockAttnRes(backend="torch"): stacked sources, the eager PyTorch reference
   triton_percall  BlockAttnRes(backend="triton", triton_shared_buffer=False): per-call kernel on a stack
   triton          BlockAttnRes(backend="triton"): BlockRouting, one shared row buffer (--configs: its kernels'
-                  warps x tile elements x unroll x backward version)
+                  warps x tile elements x unroll)
 Every variant and config is first checked on the GPU against the fp32 reference (fp32 and bf16 storage, fewer
 tokens). Times: CUDA events after warm-up, medians; --graph also replays each triton config from a CUDA graph
-(kernel time without host launch cost). Bytes: the traffic the shared-buffer kernels need (module docstring
-of mhar_lit.kernels.block_routing), for a bandwidth floor. Prints a table last; writes JSON under --out.
+(kernel time without host launch cost). Bytes: the traffic the shared-buffer kernels move (traffic_bytes),
+for a bandwidth floor. Prints a table last; writes JSON under --out.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ BLOCK_LAYERS = {"100M": 2, "350M": 3, "1B": 6, "tiny": 1}  # as benchmarks/train
 def make_strategy(shape_name, variant, dtype, config=None):
     d, L, H, _, _ = SHAPES[shape_name]
     backend = "torch" if variant == "torch" else "triton"
-    knobs = dict(num_warps=config[0], tile_elements=config[1], unroll=config[2], backward=config[3]) if config else {}
+    knobs = dict(num_warps=config[0], tile_elements=config[1], unroll=config[2]) if config else {}
     # config None: BlockRouting's defaults
     strat = BlockAttnRes(heads=H, layers_per_block=BLOCK_LAYERS[shape_name], backend=backend,
                          triton_shared_buffer=variant != "triton_percall", triton_options=knobs)
@@ -126,23 +126,47 @@ def time_graphed(strat, prob, warmup, reps):
     return result
 
 
-def traffic_bytes(shape_name, itemsize):
-    """Bytes the shared-buffer kernels move per forward + backward with backward="accumulate". Per (site,
-    block row) pair: the row read in both passes and the fp32 gradient accumulator read + written in the
-    backward. Per site: forward y, the previous row, the own row written, out; backward own row, dout, out,
-    dsrc (storage dtype) and the fp32 chain read + written. ("block_pass" replaces the per-pair fp32 read +
-    write by a dout read plus one fp32 read + write per block and row, and writes each dout once more.)"""
-    d, L, _, B, T = SHAPES[shape_name]
-    n, span, row = 2 * L + 1, 2 * BLOCK_LAYERS[shape_name], B * T * d
-    pairs = sum(-(-s // span) for s in range(n))
-    return (pairs * (2 * itemsize + 8) + n * (8 * itemsize + 8)) * row
+def traffic_bytes(shape_name, itemsize, tile_elements=2048):
+    """HBM bytes the shared-buffer kernels move per forward + backward (BlockRouting's design, 2026-12-04), with
+    every re-read counted as a new read (so a floor only where L2 does not catch them). In rows of P x D in the
+    storage dtype (fp32 rows count 4 / itemsize); pair tables and couplings ([P, H] fp32 per pair) included.
+    Forward, per site: y read, own row written (and the previous partial read where it continues one), its
+    block rows read, out written. Backward, per site: dout, out and the own row read, the block rows read,
+    the pairs' alpha and dl written, this program's dq/dg partial written and read back by the host sum, and for
+    a partial row dsrc written and the next site's dsrc read as the chain. Per block (its first site): for each
+    block row j before it and the block's own row, the block's douts and pairs read and G read + written (the
+    last block initialises G), the own row read and its dsrc written."""
+    d, L, heads, B, T = SHAPES[shape_name]
+    n, span, p = 2 * L + 1, 2 * BLOCK_LAYERS[shape_name], B * T
+    blocks = -(-(n - 1) // span)
+    k_p, h_p = pow2(d // heads), pow2(heads)
+    programs = -(-p // max(1, tile_elements // (h_p * k_p)))
+    fp32_row, pair = 4 / itemsize, 2 * heads * 4 / (d * itemsize)  # in rows
+    partials = 2 * programs * d * 4 / (p * d * itemsize)  # a written, then read by the host sum
+    block_rows = lambda s: -(-s // span)  # noqa: E731
+    starts = lambda s: s < n - 1 and s % span == 0  # noqa: E731
+    rows = 0.0
+    for s in range(n):
+        rows += 3 + block_rows(s) + (s > 0 and not starts(s - 1))  # forward
+        rows += 3 + block_rows(s) * (1 + pair) + partials  # backward site kernel
+        if not starts(s):
+            rows += 1 + (s < n - 1)  # dsrc written; the chain read
+    for k in range(blocks):
+        slots = n - k * span if k == blocks - 1 else span
+        g = fp32_row * (1 if k == blocks - 1 else 2)
+        rows += (k + 1) * (slots * (1 + pair) + g) + 2  # + the own row read, its dsrc written
+    return int(rows * p * d * itemsize)
+
+
+def pow2(x):
+    return 1 << max(0, x - 1).bit_length()
 
 
 def parse_config(text):
     if text == "default":
         return None
-    warps, tile, unroll, backward = text.split("x")
-    return int(warps), int(tile), int(unroll), {"a": "accumulate", "b": "block_pass"}[backward]
+    warps, tile, unroll = text.split("x")
+    return int(warps), int(tile), int(unroll)
 
 
 def main():
@@ -150,9 +174,8 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"], choices=list(SHAPES))
     parser.add_argument("--variants", nargs="+", default=["torch", "triton_percall", "triton"])
     parser.add_argument("--configs", nargs="+", default=["default"],
-                        help="triton warps x tile elements x unroll x backward (a: accumulate, b: block_pass): "
-                             "BlockRouting's num_warps (0: automatic), tile_elements, unroll, backward; "
-                             "'default': its defaults")
+                        help="triton warps x tile elements x unroll: BlockRouting's num_warps (0: automatic), "
+                             "tile_elements, unroll; 'default': its defaults")
     parser.add_argument("--graph", action="store_true")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
@@ -166,7 +189,7 @@ def main():
         floor = traffic_bytes(shape_name, 2) / bandwidth * 1e3
         for variant in args.variants:
             for config in (configs if variant == "triton" else [None]):
-                label = variant + (f" {config[0]}w/{config[1]}/u{config[2]}/{config[3][0]}" if config else
+                label = variant + (f" {config[0]}w/{config[1]}/u{config[2]}" if config else
                                    (" defaults" if variant == "triton" else ""))
                 checked = check(shape_name, variant, config)
                 ok = checked["fp32"]["ok"] and checked["bf16"]["ok"]

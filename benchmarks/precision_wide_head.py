@@ -3,7 +3,7 @@ block) at head width 96 (d 192, H 2, 7 sites), against float64, compared with Py
 same draws. CPU, Triton interpreter; minutes per 10 draws in full mode, seconds in block mode.
 
     TRITON_INTERPRET=1 python benchmarks/precision_wide_head.py [--draws 30] [--mode full|block]
-                                                                [--impl fma|dot|accumulate|block_pass]
+                                                                [--impl fma|dot]
 
 The stacks are the kernel tests' (tests/kernels/kernel_helpers: S_{s+1} = tanh(x_s @ M_s)).
 Per draw: relative error of the final output and of the three gradients for (1) the Triton path, (2) torch
@@ -33,7 +33,7 @@ NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
 SITES, D, HEADS = 7, 192, 2
 
 
-IMPLS = {"full": ("fma", "dot"), "block": ("accumulate", "block_pass")}
+IMPLS = {"full": ("fma", "dot"), "block": ("block_pass",)}  # block mode has one backward since 2026-12-04
 
 
 def make_problem(mode, gen):
@@ -42,8 +42,7 @@ def make_problem(mode, gen):
 
 def evaluate(mode, kind, problem, dtype, impl=None):
     if mode == "block":
-        knobs = {} if kind == "torch" else dict(backward=impl)
-        return block_mode_output_and_grads(kind, *problem, HEADS, 2, dtype, **knobs)
+        return block_mode_output_and_grads(kind, *problem, HEADS, 2, dtype)
     knobs = {} if kind == "torch" else dict(prefix_impl=impl, suffix_impl=impl)
     return full_mode_output_and_grads(kind, *problem, HEADS, dtype, chunk=3, group=2, **knobs)
 
@@ -54,7 +53,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=100, help="first draw's seed")
     parser.add_argument("--mode", default="full", choices=sorted(IMPLS))
     parser.add_argument("--impl", default=None, choices=[i for v in IMPLS.values() for i in v],
-                        help="full mode: prefix/suffix pass version (fma); block mode: backward (accumulate)")
+                        help="full mode: prefix/suffix pass version (fma); block mode: its one backward (block_pass)")
     args = parser.parse_args()
     args.impl = args.impl or IMPLS[args.mode][0]
     if args.impl not in IMPLS[args.mode]:

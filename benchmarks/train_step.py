@@ -1,7 +1,6 @@
 """Time full training steps (forward + backward + fused AdamW) of each method at the paper's sizes.
 
-    python benchmarks/train_step.py [--sizes 100M 350M 1B] [--methods baseline mhar block block_pass
-                                    block_accumulate block_percall hf]
+    python benchmarks/train_step.py [--sizes 100M 350M 1B] [--methods baseline mhar block block_percall hf]
                                     [--rounds 4] [--steps 3]
 
 Per (size, method): bf16 parameters and compute (the paper's bf16-true), the paper's per-GPU microbatch
@@ -53,11 +52,6 @@ def build(size: str, method: str, backend: str):
         "mhar": lambda: FullAttnRes(heads=8, backend=backend),
         "single": lambda: FullAttnRes(heads=1, backend=backend),
         "block": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend),
-        # BlockRouting's two backward versions explicitly (whatever the default is)
-        "block_accumulate": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend,
-                                                 triton_options={"backward": "accumulate"}),
-        "block_pass": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend,
-                                           triton_options={"backward": "block_pass"}),
         # the per-call kernel over a stack per site (the block path before the shared row buffer)
         "block_percall": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend,
                                               triton_shared_buffer=False),

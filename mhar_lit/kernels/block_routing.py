@@ -7,12 +7,13 @@ separate partial-sum add, no copies of the block sums. Each site reads the compl
 row once; the statistic of a block row is taken once, when the row is written.
 
 Backward: strict reverse order (autograd's, since every site's output feeds the next site's row). A row that
-is not a block row (a partial sum) is read by its own site only and is finished there. A block row is read by
-every later site; its gradient is summed in an fp32 buffer G, either per (site, row) pair ("accumulate": one
-launch per site) or, by default, once per block ("block_pass": each site keeps its dout and pair softmax
-gradients in per-block buffers, and at the block's first site one more launch adds the whole block into G
-and finishes the block's own row). dq, dg are per-program partials, reduced on the host in a fixed order
-every A_SLOTS sites: deterministic, no atomics.
+is not a block row (a partial sum) is read by its own site only and is finished there; the gradient that flows
+into it from the next partial sum is the dsrc the next site returned, kept for it (no fp32 chain buffer). A
+block row is read by every later site: each site keeps its block pairs' softmax gradients in a per-block table
+(its dout stays the tensor autograd delivered, found through a table of addresses), and at the block's first
+site one more launch adds the whole block into fp32 block-row gradients G and finishes the block's own row.
+dq, dg are per-program partials, reduced on the host in a fixed order every A_SLOTS sites: deterministic, no
+atomics.
 
 Order contract as in FullRouting: activation checkpointing that recomputes routing, or a backward that does
 not start at the final site, raises. A retained graph may be differentiated again. (An intermediate site
@@ -40,13 +41,11 @@ A_SLOTS = 8  # sites whose dq/dg partials are kept before one host reduction (me
 # (6.73 ms; 4 warps 7.98), where a 2048-element tile holds one token. num_warps=0 picks by that rule.
 DEFAULT_WARPS = 0
 DEFAULT_TILE = 2048
-UNROLL_CHOICES = (1, 2)  # block rows whose loads a step of the kernels' loops issues together
-# The backward's block-row gradients: "accumulate" adds every (site, block row) pair into G (fp32 read + write
-# per pair, _block_bwd_kernel); "block_pass" keeps a block's douts and pair softmax gradients and adds them into
-# G once per block (_block_site_bwd_kernel + _block_pass_bwd_kernel). Same values to fp32 summation order.
-BACKWARDS = ("accumulate", "block_pass")
-# call 2, CUDA graph, 4 warps x 2048: block_pass 5.05 / 6.37 / 7.98 ms against accumulate 6.23 / 7.72 / 8.80
-DEFAULT_BACKWARD = "block_pass"
+UNROLL_CHOICES = (1, 2)  # block rows whose loads the forward's loop issues together
+# The backward adds a block's pairs into the block-row gradients once per block (_block_site_bwd_kernel +
+# _block_pass_bwd_kernel). Session 7 (call 2, CUDA graph, 4 warps x 2048) measured it at 5.05 / 6.37 / 7.98 ms
+# against 6.23 / 7.72 / 8.80 for adding every (site, block row) pair into G (an fp32 read + write per pair), a
+# version removed on 2026-12-04 (its kernel: git history before that date).
 
 
 def aligned(x: Tensor) -> bool:
@@ -59,7 +58,7 @@ class BlockRouting:
 
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int, span: int,
                  eps: float = 1e-6, num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE,
-                 unroll: int = 1, backward: str = DEFAULT_BACKWARD) -> None:
+                 unroll: int = 1) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -72,8 +71,6 @@ class BlockRouting:
         if span < 2 or span % 2 or (n - 1) % span:
             raise ValueError(f"sites per block ({span}) must be an even number that divides the {n - 1} "
                              "layer sites")
-        if backward not in BACKWARDS:
-            raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
         if unroll not in UNROLL_CHOICES:
             raise ValueError(f"unroll must be one of {UNROLL_CHOICES}, got {unroll}")
         if num_warps < 0 or tile_elements < 1:
@@ -81,7 +78,7 @@ class BlockRouting:
                              f"({tile_elements}) positive")
         check_storage_dtype(embedding_BTD.dtype)
         check_device(embedding_BTD, query_SD, norm_weight_SD)
-        self.unroll, self.backward = unroll, backward
+        self.unroll = unroll
         self.shape, self.n_sites, self.heads, self.eps, self.span = (b, t, d), n, heads, eps, span
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)
@@ -186,11 +183,11 @@ class BlockRouting:
             self._bwd = self._backward_buffers()
         bw, p, d = self._bwd, self.p, self.shape[2]
         dout = dout_BTD.to(self.dtype).contiguous()
+        if not aligned(dout):  # the block pass reads the table's douts as 16-byte aligned rows (_dout_rows)
+            dout = dout.clone()
         dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
-        if self.backward == "block_pass":
-            self._block_pass_site(site, out_BTD, dout, dsrc_PD)
-        else:
-            self._accumulate_site(site, out_BTD, dout, dsrc_PD)
+        self._site_backward(site, out_BTD, dout, dsrc_PD)
+        bw["next_dsrc"] = dsrc_PD  # the gradient of R_site: the chain of site - 1 if R_site contains R_{site-1}
         if site % A_SLOTS == 0:  # sites [site, site + A_SLOTS) are complete
             last = min(site + A_SLOTS, n)
             torch.sum(bw["a"][: last - site], dim=1, out=bw["A"][site:last])
@@ -204,28 +201,19 @@ class BlockRouting:
         self.release()  # a retained graph's rerun restores the state from the final site's saved tensors
         return dsrc_PD.view(self.shape), dq, dg
 
-    def _accumulate_site(self, site: int, out_BTD: Tensor, dout: Tensor, dsrc_PD: Tensor) -> None:
-        bw, n, start = self._bwd, self.n_sites, self.is_block_start(site)
-        launch(kern._block_bwd_kernel, (self.programs,),
-            self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["G"], bw["chain"], dsrc_PD, bw["a"],
-            site, self.block_rows_before(site), self.span, site // self.span if start else -1,
-            int(not start and site < n - 1), int(site > 0 and not self.is_block_start(site - 1)),
-            site % A_SLOTS, self.p, self.shape[2], self.heads, self.k,
-            FIRST=site == n - 1, BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
-            UNROLL=self.unroll, num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
-        )
-
-    def _block_pass_site(self, site: int, out_BTD: Tensor, dout: Tensor, dsrc_PD: Tensor) -> None:
+    def _site_backward(self, site: int, out_BTD: Tensor, dout: Tensor, dsrc_PD: Tensor) -> None:
         bw, n, start = self._bwd, self.n_sites, self.is_block_start(site)
         blocks = self.block_rows_before(n - 1)
         block = min(site, n - 2) // self.span
         s0 = block * self.span
         dims = (self.p, self.shape[2], self.heads, self.k)
+        has_chain = not start and site < n - 1
+        bw["douts"][site - s0] = dout  # the block pass reads it through bw["dout_ptrs"]
         launch(kern._block_site_bwd_kernel, (self.programs,),
-            self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["dout"], bw["pairs"], bw["C"], bw["chain"],
-            dsrc_PD, bw["a"], site, site - s0, self.block_rows_before(site), self.span, block if start else -1,
-            int(not start and site < n - 1), int(site > 0 and not self.is_block_start(site - 1)),
-            site % A_SLOTS, blocks, *dims,
+            self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["dout_ptrs"], bw["pairs"], bw["C"],
+            bw["next_dsrc"] if has_chain else dsrc_PD, dsrc_PD, bw["a"], site, site - s0,
+            self.block_rows_before(site), self.span, block if start else -1, int(has_chain), site % A_SLOTS,
+            blocks, *dims, dout.data_ptr(),
             FIRST=site == n - 1, BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
             num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
         )
@@ -233,25 +221,27 @@ class BlockRouting:
             return
         slots = (n - s0) if block == blocks - 1 else self.span
         launch(kern._block_pass_bwd_kernel, (self.programs,),
-            self.rows, self.r, self.w_SD, bw["dout"], bw["pairs"], bw["C"], bw["G"], bw["chain"], dsrc_PD,
-            block, s0, slots, self.span, int(s0 > 0), blocks, *dims,
+            self.rows, self.r, self.w_SD, bw["dout_ptrs"], bw["pairs"], bw["C"], bw["G"], dsrc_PD,
+            block, s0, slots, self.span, blocks, *dims,
             LAST=block == blocks - 1, BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
             num_warps=self.num_warps, key=self._key,
         )
+        bw["douts"] = [None] * len(bw["douts"])  # the block's douts are read; the block before fills the table
 
     def _backward_buffers(self) -> dict:
         n, p, d = self.n_sites, self.p, self.shape[2]
         blocks = self.block_rows_before(n - 1)
         acc = dict(dtype=self.acc_t, device=self.device)
-        per_block = {}
-        if self.backward == "block_pass":  # one block's douts and pair softmax gradients (the last has span + 1 sites)
-            per_block = {"dout": torch.empty(self.span + 1, p, d, dtype=self.dtype, device=self.device),
-                         "pairs": torch.empty(self.span + 1, blocks, 2, p, self.heads, **acc),
-                         "C": torch.empty(blocks, p, **acc)}
         return {
-            **per_block,
+            # one block's douts as autograd delivered them (the last block has span + 1 sites), kept alive here
+            # until its block pass, which finds them through a table of their addresses: no copy
+            "douts": [None] * (self.span + 1),
+            "dout_ptrs": torch.zeros(self.span + 1, dtype=torch.int64, device=self.device),
+            # one block's pair softmax weights and gradients, and every block row's RMSNorm coupling
+            "pairs": torch.empty(self.span + 1, blocks, 2, p, self.heads, **acc),
+            "C": torch.empty(blocks, p, **acc),
             "G": torch.empty(blocks, p, d, **acc),  # block rows' gradients, summed over the sites reading them
-            "chain": torch.empty(p, d, **acc),  # the gradient of R_{s+1}, for the R_s it contains
+            "next_dsrc": None,  # the dsrc of the site after the current one (the gradient of its partial sum)
             "a": torch.empty(min(A_SLOTS, n), self.programs, d, **acc),
             "A": torch.empty(n, d, **acc),
         }

@@ -16,7 +16,7 @@ from kernel_helpers import (block_mode_output_and_grads, block_mode_problem, blo
                             fresh_generator, leaf, permuted_within_heads, rel)
 
 from mhar_lit.kernels import launch as fast_launch  # noqa: E402
-from mhar_lit.kernels.block_routing import A_SLOTS, BACKWARDS, BlockRouting  # noqa: E402
+from mhar_lit.kernels.block_routing import A_SLOTS, BlockRouting  # noqa: E402
 
 NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
 
@@ -29,7 +29,6 @@ def audit_launch_keys(monkeypatch):
     fast_launch.clear_cache()
 
 
-@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("layers,span,heads,d", [
     (2, 2, 2, 8),     # one layer per block
     (3, 2, 3, 12),    # H not a power of two
@@ -37,14 +36,13 @@ def audit_launch_keys(monkeypatch):
     (2, 4, 1, 8),     # one block, single head: the final site routes over the embedding and the partial
     (6, 4, 2, 16),    # 13 sites: the dq/dg partials are reduced in two rounds of A_SLOTS
 ])
-
-def test_fp32_matches_float64_reference(layers, span, heads, d, backward):
+def test_fp32_matches_float64_reference(layers, span, heads, d):
     assert 2 * 6 + 1 > A_SLOTS  # the last case spans more than one reduction round
     gen = fresh_generator()
     problem = block_mode_problem(layers, d, gen)
     exact = block_mode_output_and_grads("torch", *problem, heads, span, torch.float64)
     ref32 = block_mode_output_and_grads("torch", *problem, heads, span, torch.float32)
-    got = block_mode_output_and_grads("triton", *problem, heads, span, torch.float32, backward=backward)
+    got = block_mode_output_and_grads("triton", *problem, heads, span, torch.float32)
     for name, a, x, r in zip(NAMES, got, exact, ref32):
         assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), (
             f"{name}: {rel(a, x):.2e}, fp32 reference {rel(r, x):.2e} (seed {gen.initial_seed()})")
@@ -53,8 +51,7 @@ def test_fp32_matches_float64_reference(layers, span, heads, d, backward):
 WIDE_DRAWS = 12
 
 
-@pytest.mark.parametrize("backward", BACKWARDS)
-def test_wide_head_fp32_error_is_torch_fp32_sized(backward):
+def test_wide_head_fp32_error_is_torch_fp32_sized():
     """K = 96 (d 192, H 2, 7 sites) is an ill-conditioned chain: every fp32 evaluation is ~5e-6 off float64,
     and which one is luckier changes per draw by more than 2x. Over 30 draws torch fp32 with the features
     permuted inside each head (the same algorithm, another rounding order) fails the other cases' per-draw
@@ -73,7 +70,7 @@ def test_wide_head_fp32_error_is_torch_fp32_sized(backward):
         ref32 = block_mode_output_and_grads("torch", *problem, 2, 2, torch.float32)
         moved, back = permuted_within_heads(problem, 2, gen)
         perm32 = back(block_mode_output_and_grads("torch", *moved, 2, 2, torch.float32))
-        got = block_mode_output_and_grads("triton", *problem, 2, 2, torch.float32, backward=backward)
+        got = block_mode_output_and_grads("triton", *problem, 2, 2, torch.float32)
         for i, (name, a, r, p, x) in enumerate(zip(NAMES, got, ref32, perm32, exact)):
             errs = torch.tensor([rel(a, x), rel(r, x), rel(p, x)], dtype=torch.float64)
             assert errs[0] <= 10 * max(1e-5, errs[1], errs[2]), (
@@ -86,31 +83,29 @@ def test_wide_head_fp32_error_is_torch_fp32_sized(backward):
             f"(seed {gen.initial_seed()})")
 
 
-@pytest.mark.parametrize("backward", BACKWARDS)
-def test_float64_equals_reference_and_gradcheck(backward):
+def test_float64_equals_reference_and_gradcheck():
     gen = fresh_generator()
     problem = block_mode_problem(3, 6, gen, b=1, t=2)
     exact = block_mode_output_and_grads("torch", *problem, 2, 2, torch.float64)
-    got = block_mode_output_and_grads("triton", *problem, 2, 2, torch.float64, backward=backward)
+    got = block_mode_output_and_grads("triton", *problem, 2, 2, torch.float64)
     for name, a, x in zip(NAMES, got, exact):
         assert rel(a, x) <= 1e-12, f"{name}: {rel(a, x):.1e} (seed {gen.initial_seed()})"
     emb, q, g, mats, dout = problem
 
     def fn(e, qq, gg):
-        routing = BlockRouting(e, qq, gg, 2, span=2, backward=backward)
+        routing = BlockRouting(e, qq, gg, 2, span=2)
         site_fn = lambda s, new: routing.route(s, new, *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
         return block_stack_loss(site_fn, e, mats, dout)
 
     assert torch.autograd.gradcheck(fn, tuple(leaf(emb, q, g)), eps=1e-6, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backward", BACKWARDS)
-def test_bf16_within_reference_rounding_error(backward):
+def test_bf16_within_reference_rounding_error():
     gen = fresh_generator()
     problem = block_mode_problem(4, 32, gen, b=2, t=4)
     exact = block_mode_output_and_grads("torch", *problem, 4, 4, torch.float64)
     ref = block_mode_output_and_grads("torch", *problem, 4, 4, torch.bfloat16)
-    got = block_mode_output_and_grads("triton", *problem, 4, 4, torch.bfloat16, backward=backward)
+    got = block_mode_output_and_grads("triton", *problem, 4, 4, torch.bfloat16)
     for name, a, r, x in zip(NAMES, got, ref, exact):
         assert rel(a, x) <= 2 * rel(r, x) + 1e-3, f"{name}: {rel(a, x):.2e} vs {rel(r, x):.2e}"
 
@@ -123,11 +118,10 @@ def test_tiling_and_repeats_change_nothing():
     base = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32)
     again = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(base, again))
-    for tile, warps, unroll, backward in ((16, 1, 1, "accumulate"), (64, 2, 2, "block_pass"),
-                                          (4096, 4, 2, "accumulate"), (4096, 0, 1, "block_pass")):
-        # 1, 4 and all 15 tokens per program; both backward versions (equal to fp32 summation order)
+    for tile, warps, unroll in ((16, 1, 1), (64, 2, 2), (4096, 4, 2), (4096, 0, 1)):
+        # 1, 4 and all 15 tokens per program
         got = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32, tile_elements=tile,
-                                          num_warps=warps, unroll=unroll, backward=backward)
+                                          num_warps=warps, unroll=unroll)
         for name, a, b in zip(NAMES, got, base):
             assert rel(a, b) <= 1e-6, (
                 f"tile {tile} unroll {unroll} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})")
@@ -167,8 +161,6 @@ def test_order_and_input_errors_are_named():
         BlockRouting(x, q, q, 2, span=2, unroll=3)
     with pytest.raises(ValueError, match="num_warps"):
         BlockRouting(x, q, q, 2, span=2, num_warps=-1)
-    with pytest.raises(ValueError, match="backward must be one of"):
-        BlockRouting(x, q, q, 2, span=2, backward="atomic")
     routing = BlockRouting(x, q, q, 2, span=2)
     with pytest.raises(ValueError, match="site 0 must receive"):
         routing.route(0, x)

@@ -42,13 +42,12 @@ def test_full_routing_kernels_compile_for_sm90(args):
             assert prefix and all("'STAGES': 3" in line and "async copies 0" not in line for line in prefix), done.stdout
 
 
-@pytest.mark.parametrize("dtype,knobs", [("bf16", []), ("fp32", ["unroll=2"]), ("bf16", ["backward=accumulate"])])
+@pytest.mark.parametrize("dtype,knobs", [("bf16", []), ("fp32", ["unroll=2"])])
 def test_block_routing_kernels_compile_for_sm90(dtype, knobs):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compile_check.py"), "--mode", "block",
                            "--shapes", "tiny", "--dtype", dtype, *knobs], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    bwd = ("_block_bwd",) if "backward=accumulate" in knobs else ("_block_site_bwd", "_block_pass_bwd")
-    assert "0 failed" in done.stdout and "_block_fwd" in done.stdout, done.stdout
-    assert all(name in done.stdout for name in bwd), done.stdout
+    assert "0 failed" in done.stdout, done.stdout
+    assert all(name in done.stdout for name in ("_block_fwd", "_block_site_bwd", "_block_pass_bwd")), done.stdout
