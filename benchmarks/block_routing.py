@@ -1,7 +1,7 @@
 """Block-mode routing benchmark: all 2L+1 routing sites of one microbatch (BlockAttnRes), forward + backward.
 
     python benchmarks/block_routing.py [--shapes 100M 350M 1B] [--variants torch triton_percall triton]
-                                       [--configs 4x2048x1 8x2048x2] [--graph] [--out benchmarks/results]
+                                       [--configs 4x2048x1 4x2048x1x2] [--graph] [--out benchmarks/results]
 
 The strategy object itself is driven (begin / sublayer_input / sublayer_output / final), with the sublayers
 replaced as in benchmarks/routing.py by precomputed outputs tied to the site outputs (_Tie), so the partial
@@ -9,7 +9,7 @@ sums, block boundaries and autograd order are the model's. Variants:
   torch           BlockAttnRes(backend="torch"): stacked sources, the eager PyTorch reference
   triton_percall  BlockAttnRes(backend="triton", triton_shared_buffer=False): per-call kernel on a stack
   triton          BlockAttnRes(backend="triton"): BlockRouting, one shared row buffer (--configs: its kernels'
-                  warps x tile elements x unroll)
+                  warps x tile elements x unroll [x backward site tiles])
 Every variant and config is first checked on the GPU against the fp32 reference (fp32 and bf16 storage, fewer
 tokens). Times: CUDA events after warm-up, medians; --graph also replays each triton config from a CUDA graph
 (kernel time without host launch cost). Bytes: the traffic the shared-buffer kernels move (traffic_bytes),
@@ -41,7 +41,7 @@ BLOCK_LAYERS = {"100M": 2, "350M": 3, "1B": 6, "tiny": 1}  # as benchmarks/train
 def make_strategy(shape_name, variant, dtype, config=None):
     d, L, H, _, _ = SHAPES[shape_name]
     backend = "torch" if variant == "torch" else "triton"
-    knobs = dict(num_warps=config[0], tile_elements=config[1], unroll=config[2]) if config else {}
+    knobs = dict(num_warps=config[0], tile_elements=config[1], unroll=config[2], site_tiles=config[3]) if config else {}
     # config None: BlockRouting's defaults
     strat = BlockAttnRes(heads=H, layers_per_block=BLOCK_LAYERS[shape_name], backend=backend,
                          triton_shared_buffer=variant != "triton_percall", triton_options=knobs)
@@ -126,7 +126,7 @@ def time_graphed(strat, prob, warmup, reps):
     return result
 
 
-def traffic_bytes(shape_name, itemsize, tile_elements=2048):
+def traffic_bytes(shape_name, itemsize, tile_elements=2048, site_tiles=1):
     """HBM bytes the shared-buffer kernels move per forward + backward (BlockRouting's design, 2026-12-04), with
     every re-read counted as a new read (so a floor only where L2 does not catch them). In rows of P x D in the
     storage dtype (fp32 rows count 4 / itemsize); pair tables and couplings ([P, H] fp32 per pair) included.
@@ -142,7 +142,7 @@ def traffic_bytes(shape_name, itemsize, tile_elements=2048):
     k_p, h_p = pow2(d // heads), pow2(heads)
     programs = -(-p // max(1, tile_elements // (h_p * k_p)))
     fp32_row, pair = 4 / itemsize, 2 * heads * 4 / (d * itemsize)  # in rows
-    partials = 2 * programs * d * 4 / (p * d * itemsize)  # a written, then read by the host sum
+    partials = 2 * -(-programs // site_tiles) * d * 4 / (p * d * itemsize)  # a written, then read by the host sum
     block_rows = lambda s: -(-s // span)  # noqa: E731
     starts = lambda s: s < n - 1 and s % span == 0  # noqa: E731
     rows = 0.0
@@ -165,8 +165,10 @@ def pow2(x):
 def parse_config(text):
     if text == "default":
         return None
-    warps, tile, unroll = text.split("x")
-    return int(warps), int(tile), int(unroll)
+    fields = [int(x) for x in text.split("x")]
+    if len(fields) not in (3, 4):
+        raise ValueError(f"a config is warps x tile x unroll [x site_tiles], got {text!r}")
+    return (*fields, 1) if len(fields) == 3 else tuple(fields)
 
 
 def main():
@@ -174,8 +176,8 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"], choices=list(SHAPES))
     parser.add_argument("--variants", nargs="+", default=["torch", "triton_percall", "triton"])
     parser.add_argument("--configs", nargs="+", default=["default"],
-                        help="triton warps x tile elements x unroll: BlockRouting's num_warps (0: automatic), "
-                             "tile_elements, unroll; 'default': its defaults")
+                        help="triton warps x tile elements x unroll [x site tiles]: BlockRouting's num_warps (0: "
+                             "automatic), tile_elements, unroll, site_tiles (default 1); 'default': its defaults")
     parser.add_argument("--graph", action="store_true")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
@@ -186,14 +188,15 @@ def main():
     results, rows = [], []
     for shape_name in args.shapes:
         prob = make_problem(shape_name, 0, torch.bfloat16)
-        floor = traffic_bytes(shape_name, 2) / bandwidth * 1e3
         for variant in args.variants:
             for config in (configs if variant == "triton" else [None]):
-                label = variant + (f" {config[0]}w/{config[1]}/u{config[2]}" if config else
+                tiles = dict(tile_elements=config[1], site_tiles=config[3]) if config else {}
+                floor = traffic_bytes(shape_name, 2, **tiles) / bandwidth * 1e3
+                label = variant + (f" {config[0]}w/{config[1]}/u{config[2]}/t{config[3]}" if config else
                                    (" defaults" if variant == "triton" else ""))
                 checked = check(shape_name, variant, config)
                 ok = checked["fp32"]["ok"] and checked["bf16"]["ok"]
-                entry = dict(shape=shape_name, variant=variant, config=config, check=checked)
+                entry = dict(shape=shape_name, variant=variant, config=config, check=checked, floor_ms=floor)
                 if not ok:
                     rows.append((shape_name, label, "CHECK FAILED", "", ""))
                     results.append(entry)

@@ -23,8 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mhar_lit.kernels._routing_kernels import (_dout_rows, _full_row_tile, _online_update, _rsqrt_mean_square,
-                                               _to_storage)
+from mhar_lit.kernels._routing_kernels import (_dout_rows, _full_row_tile, _full_row_tile_at, _online_update,
+                                               _rsqrt_mean_square, _to_storage)
 
 
 @triton.jit(do_not_specialize=["site", "n_blk", "span", "add_prev"])
@@ -121,14 +121,38 @@ def _keep_pair(pair_ptr, c_ptr, alpha, dl, c, slot, j, NB, P, H, th, mask_th, of
 def _block_site_bwd_kernel(
     rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, dout_ptrs_ptr, pair_ptr, c_ptr, chain_ptr, dsrc_ptr, a_ptr,
     site, slot, n_blk, span, own_block, has_chain, a_slot, NB, P, D, H, K, dout_addr,
-    FIRST: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+    FIRST: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """Site `site` (slot `slot` of its block): its dout's address (dout_addr) into dout_ptrs[slot]; alpha, dl
     of every block pair (and of its own row if that is block row own_block) into the pair table, couplings
-    into C; this program's partial of A into a[a_slot, pid] (summed on the host). An own row that is not a
+    into C; this program's partial of A into a[a_slot, pid] (summed on the host). A program does TILES token
+    tiles in turn, so that the A partials (D fp32 per program) are TILES times fewer. An own row that is not a
     block row (the partial sum) is finished here: dsrc = its pair's gradient + chain (the next site's dsrc,
     storage dtype) if has_chain."""
-    offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
+    a = tl.zeros([H_P, K_P], ACC)
+    if TILES == 1:  # no loop: the loop costs registers (sm_90: 143 -> 168 at 100M, 80 -> 93 at 1B)
+        a = _block_site_tile(rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, pair_ptr, c_ptr, chain_ptr,
+                             dsrc_ptr, a, tl.program_id(0), site, slot, n_blk, span, own_block, has_chain, NB, P, D,
+                             H, K, FIRST, BLOCK_T, H_P, K_P, ACC)
+    else:
+        for i in range(0, TILES):
+            a = _block_site_tile(rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, pair_ptr, c_ptr, chain_ptr,
+                                 dsrc_ptr, a, tl.program_id(0) * TILES + i, site, slot, n_blk, span, own_block,
+                                 has_chain, NB, P, D, H, K, FIRST, BLOCK_T, H_P, K_P, ACC)
+    _, _, col_HK, mask_hk, _, _, _, _ = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
+    tl.store(a_ptr + (a_slot * tl.num_programs(0) + tl.program_id(0)) * D + col_HK, a, mask=mask_hk)
+    if tl.program_id(0) == 0:  # the block pass finds this dout through the table (stored last: see LOG, load order)
+        tl.store(dout_ptrs_ptr + slot, dout_addr)
+
+
+@triton.jit
+def _block_site_tile(rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, pair_ptr, c_ptr, chain_ptr, dsrc_ptr, a,
+                     index, site, slot, n_blk, span, own_block, has_chain, NB, P, D, H, K, FIRST: tl.constexpr,
+                     BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr):
+    """_block_site_bwd_kernel's work on token tile `index`; returns a plus its A tile. (w is loaded per tile,
+    from cache after the first: held across the tile loop it cost registers.)"""
+    offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile_at(index, P, D, H, K, BLOCK_T, H_P, K_P)
     row_stride = (tl.full([], 0, tl.int64) + P) * D
     store_ty = rows_ptr.dtype.element_ty
 
@@ -136,9 +160,6 @@ def _block_site_bwd_kernel(
     S = tl.sum(dout * tl.load(out_ptr + tile, mask=mask, other=0.0).to(ACC), axis=2)
     w_HK = tl.load(w_ptr + site * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
     lse = tl.load(lse_ptr + site * P * H + th, mask=mask_th, other=0.0)
-    if tl.program_id(0) == 0:  # the block pass finds this dout through the table
-        tl.store(dout_ptrs_ptr + slot, dout_addr)
-    a = tl.zeros([H_P, K_P], ACC)
     for j in range(0, n_blk):
         row = j * span
         v = tl.load(rows_ptr + row * row_stride + tile, mask=mask, other=0.0).to(ACC)
@@ -158,7 +179,7 @@ def _block_site_bwd_kernel(
         dv -= (r * r * c / D)[:, None, None] * v
         dv += tl.load(chain_ptr + tile, mask=mask & (has_chain != 0), other=0.0).to(ACC)
         tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
-    tl.store(a_ptr + (a_slot * tl.num_programs(0) + tl.program_id(0)) * D + col_HK, a, mask=mask_hk)
+    return a
 
 
 @triton.jit

@@ -71,7 +71,13 @@ def _rsqrt_mean_square(v, D, eps):
 @triton.jit
 def _full_row_tile(P, D, H, K, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr):
     """This program's [BLOCK_T, H_P, K_P] tile of full rows: offsets into a [P, D] row and masks."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    return _full_row_tile_at(tl.program_id(0), P, D, H, K, BLOCK_T, H_P, K_P)
+
+
+@triton.jit
+def _full_row_tile_at(index, P, D, H, K, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr):
+    """Token tile `index`'s [BLOCK_T, H_P, K_P] tile of full rows (see _full_row_tile)."""
+    offs_t = index * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.arange(0, H_P)
     offs_k = tl.arange(0, K_P)
     mask_t = offs_t < P

@@ -46,6 +46,13 @@ UNROLL_CHOICES = (1, 2)  # block rows whose loads the forward's loop issues toge
 # _block_pass_bwd_kernel). Session 7 (call 2, CUDA graph, 4 warps x 2048) measured it at 5.05 / 6.37 / 7.98 ms
 # against 6.23 / 7.72 / 8.80 for adding every (site, block row) pair into G (an fp32 read + write per pair), a
 # version removed on 2026-12-04 (its kernel: git history before that date).
+# Token tiles per program of the backward's site kernel (site_tiles): each program writes one dq/dg partial of
+# D fp32 that the host sum reads back, per site: at 1B (one token per tile) twice the bytes of the token's row.
+# More tiles per program make those partials that many times fewer, but the loop over tiles costs registers on
+# sm_90 (Triton 3.6, compile_check.py): 128 / 128 / 64 with one tile at 100M / 350M / 1B, 167 / 147-149 / 80
+# with 2 or 4, i.e. 3 resident programs per SM instead of 4. Not yet timed on a GPU (2026-12-04: no device was
+# lent), so the default stays 1 (no loop); benchmarks/block_routing.py --configs takes it as a fourth field.
+DEFAULT_SITE_TILES = 1
 
 
 def aligned(x: Tensor) -> bool:
@@ -58,7 +65,7 @@ class BlockRouting:
 
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int, span: int,
                  eps: float = 1e-6, num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE,
-                 unroll: int = 1) -> None:
+                 unroll: int = 1, site_tiles: int = DEFAULT_SITE_TILES) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -73,6 +80,8 @@ class BlockRouting:
                              "layer sites")
         if unroll not in UNROLL_CHOICES:
             raise ValueError(f"unroll must be one of {UNROLL_CHOICES}, got {unroll}")
+        if site_tiles < 1:
+            raise ValueError(f"site_tiles ({site_tiles}) must be >= 1")
         if num_warps < 0 or tile_elements < 1:
             raise ValueError(f"num_warps ({num_warps}) must be >= 0 (0: automatic) and tile_elements "
                              f"({tile_elements}) positive")
@@ -87,6 +96,8 @@ class BlockRouting:
         self.block_t = tile_tokens(self.h_p * self.k_p, tile_elements)
         self.programs = triton.cdiv(self.p, self.block_t)
         self.num_warps = num_warps or (8 if self.block_t == 1 else 4)
+        self.site_tiles = site_tiles
+        self.site_programs = triton.cdiv(self.programs, self.site_tiles)
         self.param_dtypes = (query_SD.dtype, norm_weight_SD.dtype)
         self._key = (self.shape, n, heads, eps, self.dtype, span)
         with torch.no_grad():
@@ -209,13 +220,13 @@ class BlockRouting:
         dims = (self.p, self.shape[2], self.heads, self.k)
         has_chain = not start and site < n - 1
         bw["douts"][site - s0] = dout  # the block pass reads it through bw["dout_ptrs"]
-        launch(kern._block_site_bwd_kernel, (self.programs,),
+        launch(kern._block_site_bwd_kernel, (self.site_programs,),
             self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["dout_ptrs"], bw["pairs"], bw["C"],
             bw["next_dsrc"] if has_chain else dsrc_PD, dsrc_PD, bw["a"], site, site - s0,
             self.block_rows_before(site), self.span, block if start else -1, int(has_chain), site % A_SLOTS,
             blocks, *dims, dout.data_ptr(),
-            FIRST=site == n - 1, BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
-            num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
+            FIRST=site == n - 1, BLOCK_T=self.block_t, TILES=self.site_tiles, H_P=self.h_p, K_P=self.k_p,
+            ACC=self.acc_tl, num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
         )
         if not start:
             return
@@ -242,7 +253,7 @@ class BlockRouting:
             "C": torch.empty(blocks, p, **acc),
             "G": torch.empty(blocks, p, d, **acc),  # block rows' gradients, summed over the sites reading them
             "next_dsrc": None,  # the dsrc of the site after the current one (the gradient of its partial sum)
-            "a": torch.empty(min(A_SLOTS, n), self.programs, d, **acc),
+            "a": torch.empty(min(A_SLOTS, n), self.site_programs, d, **acc),
             "A": torch.empty(n, d, **acc),
         }
 

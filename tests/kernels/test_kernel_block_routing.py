@@ -118,13 +118,15 @@ def test_tiling_and_repeats_change_nothing():
     base = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32)
     again = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(base, again))
-    for tile, warps, unroll in ((16, 1, 1), (64, 2, 2), (4096, 4, 2), (4096, 0, 1)):
-        # 1, 4 and all 15 tokens per program
+    for tile, warps, unroll, tiles in ((16, 1, 1, 1), (64, 2, 2, 1), (4096, 4, 2, 1), (4096, 0, 1, 2),
+                                       (16, 1, 1, 3), (64, 2, 1, 2), (64, 2, 2, 8)):
+        # 1, 4 and all 15 tokens per tile; backward site programs of 1-8 tiles, some past the last token
         got = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32, tile_elements=tile,
-                                          num_warps=warps, unroll=unroll)
+                                          num_warps=warps, unroll=unroll, site_tiles=tiles)
         for name, a, b in zip(NAMES, got, base):
             assert rel(a, b) <= 1e-6, (
-                f"tile {tile} unroll {unroll} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})")
+                f"tile {tile} unroll {unroll} site_tiles {tiles} {name}: {rel(a, b):.1e} "
+                f"(seed {gen.initial_seed()})")
 
 
 def test_second_backward_of_a_retained_graph_and_state_release():
@@ -161,6 +163,8 @@ def test_order_and_input_errors_are_named():
         BlockRouting(x, q, q, 2, span=2, unroll=3)
     with pytest.raises(ValueError, match="num_warps"):
         BlockRouting(x, q, q, 2, span=2, num_warps=-1)
+    with pytest.raises(ValueError, match="site_tiles"):
+        BlockRouting(x, q, q, 2, span=2, site_tiles=0)
     routing = BlockRouting(x, q, q, 2, span=2)
     with pytest.raises(ValueError, match="site 0 must receive"):
         routing.route(0, x)
@@ -181,3 +185,4 @@ def test_unused_final_output_raises():
     routing.route(2, torch.tanh(x1))  # the final site's output never reaches the loss
     with pytest.raises(RuntimeError, match="reverse order"):
         x1.sum().backward()
+
