@@ -1,7 +1,7 @@
 """Block-mode routing benchmark: all 2L+1 routing sites of one microbatch (BlockAttnRes), forward + backward.
 
     python benchmarks/block_routing.py [--shapes 100M 350M 1B] [--variants torch triton_percall triton]
-                                       [--configs 4x2048x1 4x2048x1x2] [--graph] [--out benchmarks/results]
+                                       [--configs 4x2048x1 8x2048x1] [--graph] [--out benchmarks/results]
 
 The strategy object itself is driven (begin / sublayer_input / sublayer_output / final), with the sublayers
 replaced as in benchmarks/routing.py by precomputed outputs tied to the site outputs (_Tie), so the partial
@@ -9,7 +9,7 @@ sums, block boundaries and autograd order are the model's. Variants:
   torch           BlockAttnRes(backend="torch"): stacked sources, the eager PyTorch reference
   triton_percall  BlockAttnRes(backend="triton", triton_shared_buffer=False): per-call kernel on a stack
   triton          BlockAttnRes(backend="triton"): BlockRouting, one shared row buffer (--configs: its kernels'
-                  warps x tile elements x unroll [x backward site tiles])
+                  warps x tile elements x unroll)
 Every variant and config is first checked on the GPU against the fp32 reference (fp32 and bf16 storage, fewer
 tokens). Times: CUDA events after warm-up, medians; --graph also replays each triton config from a CUDA graph
 (kernel time without host launch cost). Bytes: the traffic the shared-buffer kernels move (traffic_bytes),
@@ -41,7 +41,7 @@ BLOCK_LAYERS = {"100M": 2, "350M": 3, "1B": 6, "tiny": 1}  # as benchmarks/train
 def make_strategy(shape_name, variant, dtype, config=None):
     d, L, H, _, _ = SHAPES[shape_name]
     backend = "torch" if variant == "torch" else "triton"
-    knobs = dict(num_warps=config[0], tile_elements=config[1], unroll=config[2], site_tiles=config[3]) if config else {}
+    knobs = dict(num_warps=config[0], tile_elements=config[1], unroll=config[2]) if config else {}
     # config None: BlockRouting's defaults
     strat = BlockAttnRes(heads=H, layers_per_block=BLOCK_LAYERS[shape_name], backend=backend,
                          triton_shared_buffer=variant != "triton_percall", triton_options=knobs)
@@ -126,35 +126,54 @@ def time_graphed(strat, prob, warmup, reps):
     return result
 
 
-def traffic_bytes(shape_name, itemsize, tile_elements=2048, site_tiles=1):
-    """HBM bytes the shared-buffer kernels move per forward + backward (BlockRouting's design, 2026-12-04), with
-    every re-read counted as a new read (so a floor only where L2 does not catch them). In rows of P x D in the
-    storage dtype (fp32 rows count 4 / itemsize); pair tables and couplings ([P, H] fp32 per pair) included.
-    Forward, per site: y read, own row written (and the previous partial read where it continues one), its
-    block rows read, out written. Backward, per site: dout, out and the own row read, the block rows read,
-    the pairs' alpha and dl written, this program's dq/dg partial written and read back by the host sum, and for
-    a partial row dsrc written and the next site's dsrc read as the chain. Per block (its first site): for each
-    block row j before it and the block's own row, the block's douts and pairs read and G read + written (the
-    last block initialises G), the own row read and its dsrc written."""
+def kernel_times(strat, prob):
+    """CUDA time per kernel name (ms, summed over launches) and launch counts of one fwd+bwd, torch.profiler."""
+    import collections
+
+    run_once(strat, prob)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run_once(strat, prob)
+        torch.cuda.synchronize()
+    totals, counts = collections.Counter(), collections.Counter()
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            totals[evt.name[:60]] += evt.device_time_total / 1e3
+            counts[evt.name[:60]] += 1
+    return {name: dict(ms=ms, launches=counts[name]) for name, ms in totals.most_common()}
+
+
+def traffic_bytes(shape_name, itemsize):
+    """HBM bytes BlockRouting's kernels move per forward + backward (the design of 2026-12-04), every re-read
+    counted as a new read (so a floor only where caches do not catch them). Counted in rows of P x D in the
+    storage dtype (an fp32 row is 4 / itemsize of them; a [P, H] fp32 pair quantity, as S, lse or dl, is
+    4 H / (D itemsize)). Forward, per site: y read, own row written (and the previous partial read where it
+    continues one), its block rows read, out written. Backward, per site: dout and out read, S written; where
+    the own row is a partial sum: that row read, the next site's dsrc read as the chain (not at the final
+    site), dsrc and the pair's dl written. Per block (at its first site), for each block row j <= k: the row,
+    the block's douts (re-read per row), S and lse read and dl written per pair, G read (not in the last block)
+    and written, or for j = k, dsrc written. dq/dg pass: every row and every pair's dl (once per K-slice of 32)
+    read, per-64-token partials [n, D] fp32 written and summed on the host."""
     d, L, heads, B, T = SHAPES[shape_name]
     n, span, p = 2 * L + 1, 2 * BLOCK_LAYERS[shape_name], B * T
     blocks = -(-(n - 1) // span)
-    k_p, h_p = pow2(d // heads), pow2(heads)
-    programs = -(-p // max(1, tile_elements // (h_p * k_p)))
-    fp32_row, pair = 4 / itemsize, 2 * heads * 4 / (d * itemsize)  # in rows
-    partials = 2 * -(-programs // site_tiles) * d * 4 / (p * d * itemsize)  # a written, then read by the host sum
+    fp32_row, pair = 4 / itemsize, 4 * heads / (d * itemsize)
     block_rows = lambda s: -(-s // span)  # noqa: E731
     starts = lambda s: s < n - 1 and s % span == 0  # noqa: E731
     rows = 0.0
     for s in range(n):
         rows += 3 + block_rows(s) + (s > 0 and not starts(s - 1))  # forward
-        rows += 3 + block_rows(s) * (1 + pair) + partials  # backward site kernel
+        rows += 2 + pair  # backward site kernel: dout, out; S
         if not starts(s):
-            rows += 1 + (s < n - 1)  # dsrc written; the chain read
+            rows += 2 + (s < n - 1) + pair  # own row, dsrc, chain; dl
     for k in range(blocks):
         slots = n - k * span if k == blocks - 1 else span
-        g = fp32_row * (1 if k == blocks - 1 else 2)
-        rows += (k + 1) * (slots * (1 + pair) + g) + 2  # + the own row read, its dsrc written
+        g_read = 0 if k == blocks - 1 else fp32_row
+        rows += (k + 1) * (1 + slots * (1 + 3 * pair) + g_read)  # rows, douts, S / lse / dl, G read
+        rows += k * fp32_row + 1  # G written for j < k; dsrc of row k
+    k_slices = -(-(d // heads) // 32)
+    pairs = sum(block_rows(s) + 1 for s in range(n))
+    rows += n + pairs * pair * k_slices + 2 * (-(-p // 64)) * n * fp32_row / p  # dq/dg pass
     return int(rows * p * d * itemsize)
 
 
@@ -165,10 +184,8 @@ def pow2(x):
 def parse_config(text):
     if text == "default":
         return None
-    fields = [int(x) for x in text.split("x")]
-    if len(fields) not in (3, 4):
-        raise ValueError(f"a config is warps x tile x unroll [x site_tiles], got {text!r}")
-    return (*fields, 1) if len(fields) == 3 else tuple(fields)
+    warps, tile, unroll = (int(x) for x in text.split("x"))
+    return warps, tile, unroll
 
 
 def main():
@@ -176,23 +193,23 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"], choices=list(SHAPES))
     parser.add_argument("--variants", nargs="+", default=["torch", "triton_percall", "triton"])
     parser.add_argument("--configs", nargs="+", default=["default"],
-                        help="triton warps x tile elements x unroll [x site tiles]: BlockRouting's num_warps (0: "
-                             "automatic), tile_elements, unroll, site_tiles (default 1); 'default': its defaults")
+                        help="triton warps x tile elements x unroll: BlockRouting's num_warps (0: automatic), "
+                             "tile_elements, unroll; 'default': its defaults")
     parser.add_argument("--graph", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="also per-kernel CUDA times of each triton config")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     configs = [parse_config(c) for c in args.configs]
     bandwidth = copy_bandwidth()
-    results, rows = [], []
+    results, rows, profiles = [], [], []
     for shape_name in args.shapes:
         prob = make_problem(shape_name, 0, torch.bfloat16)
         for variant in args.variants:
             for config in (configs if variant == "triton" else [None]):
-                tiles = dict(tile_elements=config[1], site_tiles=config[3]) if config else {}
-                floor = traffic_bytes(shape_name, 2, **tiles) / bandwidth * 1e3
-                label = variant + (f" {config[0]}w/{config[1]}/u{config[2]}/t{config[3]}" if config else
+                floor = traffic_bytes(shape_name, 2) / bandwidth * 1e3
+                label = variant + (f" {config[0]}w/{config[1]}/u{config[2]}" if config else
                                    (" defaults" if variant == "triton" else ""))
                 checked = check(shape_name, variant, config)
                 ok = checked["fp32"]["ok"] and checked["bf16"]["ok"]
@@ -208,6 +225,9 @@ def main():
                 if args.graph and variant == "triton" and DEVICE == "cuda":
                     entry["graph_ms"], entry["graph_times"] = time_graphed(strat, prob, args.warmup, args.reps)
                     graphed = f"{entry['graph_ms']:.2f}"
+                if args.profile and variant == "triton" and DEVICE == "cuda":
+                    entry["kernels"] = kernel_times(strat, prob)
+                    profiles.append((shape_name, label, entry["kernels"]))
                 results.append(entry)
                 rows.append((shape_name, label, f"{median:.2f}", graphed, f"{floor:.2f}"))
                 del strat
@@ -223,6 +243,10 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"block_routing_{stamp}.json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)
+    for shape_name, label, kernels in profiles:
+        print(f"\n{shape_name} {label}: kernels {sum(k['ms'] for k in kernels.values()):.2f} ms")
+        for name, k in list(kernels.items())[:8]:
+            print(f"  {k['ms']:8.3f} ms  x{k['launches']:4d}  {name}")
     print(f"\n{'shape':6s} {'variant':22s} {'eager ms':>10s} {'graph ms':>9s} {'floor ms':>9s}")
     for row in rows:
         print(f"{row[0]:6s} {row[1]:22s} {row[2]:>10s} {row[3]:>9s} {row[4]:>9s}")

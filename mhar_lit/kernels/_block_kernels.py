@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mhar_lit.kernels._routing_kernels import (_dout_rows, _full_row_tile, _full_row_tile_at, _online_update,
+from mhar_lit.kernels._routing_kernels import (_dout_rows, _full_row_tile, _mma_operand, _mma_weights, _online_update,
                                                _rsqrt_mean_square, _to_storage)
 
 
@@ -82,153 +82,141 @@ def _online_update_if(v, r, valid, w_HK, m, l, acc, store_ty: tl.constexpr):
     return m_new, l * scale + p, acc * scale[:, :, None] + p[:, :, None] * v
 
 
-# ---- backward with one pass per block. The site kernel keeps, for each site of the current block, every block
-# pair's alpha and dl (a per-block pair table [span + 1, blocks, 2, P, H] fp32) and sums each pair's coupling
-# into C[j] [P]; the site's dout is not copied: the tensor autograd delivered is kept by BlockRouting and the
-# kernel enters its address into a per-block table (_dout_rows, as FullRouting's douts). When the backward
-# reaches the block's first site, one pass reads, per block row j <= k, the row's inputs and the block's douts
-# once and adds the block's value and key path into G[j] with one fp32 read + write per block instead of per
-# site; row k itself (the block's own row) is finished there. The tables are then reused by the block before.
-# Per (site, block row) pair that is one dout read plus 1/span of an fp32 read + write.
+# ---- backward. Per site (reverse order) a light site kernel: S = <dout, out> per head into the block's S table,
+# the site's dout address into the block's dout table (the tensor autograd delivered, kept by BlockRouting: no
+# copy), and, where its own row is a partial sum, that row finished at once (the pair, plus the chain). Per
+# block, at its first site, one pass over the block rows j <= k: each row is read once per block and paired
+# with every site of the block there (alpha, dl from the site's lse and S; the douts re-read per row from
+# cache), its value path, key path and RMSNorm coupling summed in registers and added into G[j] with one fp32
+# read + write (the last block, first in the backward, initialises G); row k, the block's own, is finished
+# into dsrc. Every pair's dl goes into a table dl[n, NB + 1, H, P] (slot j: block row j, slot NB: the site's
+# own partial row), from which one tensor-core pass at the end forms A = sum over pairs and tokens of
+# dl kr (dq = A g, dg = A q), as FullRouting's _query_grad_kernel does for its pair table.
 
 @triton.jit
-def _pair_table_offsets(slot, j, NB, P, H, th):
-    base = ((tl.full([], 0, tl.int64) + slot) * NB + j) * 2 * P * H
-    return base + th, base + P * H + th
+def _dl_offsets(site, slot, NB, P, H, zth):
+    """Offsets of the dl table [n, NB + 1, H, P] for one (site, slot) and a tile's zth = h * P + t offsets."""
+    return ((tl.full([], 0, tl.int64) + site) * (NB + 1) + slot) * H * P + zth
 
 
 @triton.jit
-def _pair_softmax_grad(v, r, dout, w_HK, lse, S, store_ty: tl.constexpr, ACC: tl.constexpr):
-    """alpha, dl, the coupling c = sum_h dl * logit [BLOCK_T] and the A tile of one (site, row) pair."""
-    kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
+def _pair_grads(v, kr, r, dout, w_HK, lse, S):
+    """One (site, row) pair on a tile: the row's gradient before the RMSNorm coupling (value and key path:
+    alpha dout + r dl w), the pair's dl [BLOCK_T, H_P] and its coupling sum_h dl logit [BLOCK_T]."""
     logit = tl.sum(kr * w_HK[None, :, :], axis=2)
     alpha = tl.exp(logit - lse)
     dl = alpha * (tl.sum(dout * v, axis=2) - S)
-    return alpha, dl, tl.sum(dl * logit, axis=1), tl.sum(dl[:, :, None] * kr, axis=0)
+    dv = alpha[:, :, None] * dout + (dl * r[:, None])[:, :, None] * w_HK[None, :, :]
+    return dv, dl, tl.sum(dl * logit, axis=1)
 
 
-@triton.jit
-def _keep_pair(pair_ptr, c_ptr, alpha, dl, c, slot, j, NB, P, H, th, mask_th, offs_t, mask_t, INIT: tl.constexpr):
-    alpha_off, dl_off = _pair_table_offsets(slot, j, NB, P, H, th)
-    tl.store(pair_ptr + alpha_off, alpha, mask=mask_th)
-    tl.store(pair_ptr + dl_off, dl, mask=mask_th)
-    if not INIT:
-        c += tl.load(c_ptr + j * P + offs_t, mask=mask_t, other=0.0)
-    tl.store(c_ptr + j * P + offs_t, c, mask=mask_t)
-
-
-@triton.jit(do_not_specialize=["site", "slot", "n_blk", "span", "own_block", "has_chain", "a_slot"])
+@triton.jit(do_not_specialize=["site", "slot", "own_partial", "has_chain"])
 def _block_site_bwd_kernel(
-    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, dout_ptrs_ptr, pair_ptr, c_ptr, chain_ptr, dsrc_ptr, a_ptr,
-    site, slot, n_blk, span, own_block, has_chain, a_slot, NB, P, D, H, K, dout_addr,
-    FIRST: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr,
-    ACC: tl.constexpr,
+    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, chain_ptr, dsrc_ptr,
+    site, slot, own_partial, has_chain, NB, P, D, H, K, dout_addr,
+    BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Site `site` (slot `slot` of its block): its dout's address (dout_addr) into dout_ptrs[slot]; alpha, dl
-    of every block pair (and of its own row if that is block row own_block) into the pair table, couplings
-    into C; this program's partial of A into a[a_slot, pid] (summed on the host). A program does TILES token
-    tiles in turn, so that the A partials (D fp32 per program) are TILES times fewer. An own row that is not a
-    block row (the partial sum) is finished here: dsrc = its pair's gradient + chain (the next site's dsrc,
-    storage dtype) if has_chain."""
-    a = tl.zeros([H_P, K_P], ACC)
-    if TILES == 1:  # no loop: the loop costs registers (sm_90: 143 -> 168 at 100M, 80 -> 93 at 1B)
-        a = _block_site_tile(rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, pair_ptr, c_ptr, chain_ptr,
-                             dsrc_ptr, a, tl.program_id(0), site, slot, n_blk, span, own_block, has_chain, NB, P, D,
-                             H, K, FIRST, BLOCK_T, H_P, K_P, ACC)
-    else:
-        for i in range(0, TILES):
-            a = _block_site_tile(rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, pair_ptr, c_ptr, chain_ptr,
-                                 dsrc_ptr, a, tl.program_id(0) * TILES + i, site, slot, n_blk, span, own_block,
-                                 has_chain, NB, P, D, H, K, FIRST, BLOCK_T, H_P, K_P, ACC)
-    _, _, col_HK, mask_hk, _, _, _, _ = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
-    tl.store(a_ptr + (a_slot * tl.num_programs(0) + tl.program_id(0)) * D + col_HK, a, mask=mask_hk)
-    if tl.program_id(0) == 0:  # the block pass finds this dout through the table (stored last: see LOG, load order)
-        tl.store(dout_ptrs_ptr + slot, dout_addr)
-
-
-@triton.jit
-def _block_site_tile(rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, pair_ptr, c_ptr, chain_ptr, dsrc_ptr, a,
-                     index, site, slot, n_blk, span, own_block, has_chain, NB, P, D, H, K, FIRST: tl.constexpr,
-                     BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr):
-    """_block_site_bwd_kernel's work on token tile `index`; returns a plus its A tile. (w is loaded per tile,
-    from cache after the first: held across the tile loop it cost registers.)"""
-    offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile_at(index, P, D, H, K, BLOCK_T, H_P, K_P)
+    """Site `site` (slot `slot` of its block): S = <dout, out> per head into S[slot]; if own_partial (its own
+    row is a partial sum, read by no other site) that row's gradient into dsrc: the pair's, minus the RMSNorm
+    coupling, plus chain (the next site's dsrc, storage dtype) if has_chain, and the pair's dl into the dl
+    table; dout_addr into dout_ptrs[slot] for the block pass."""
+    offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
+    zth = tl.arange(0, H_P)[None, :] * P + offs_t[:, None].to(tl.int64)
     row_stride = (tl.full([], 0, tl.int64) + P) * D
     store_ty = rows_ptr.dtype.element_ty
 
     dout = tl.load(dout_ptr + tile, mask=mask, other=0.0).to(ACC)
     S = tl.sum(dout * tl.load(out_ptr + tile, mask=mask, other=0.0).to(ACC), axis=2)
-    w_HK = tl.load(w_ptr + site * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
-    lse = tl.load(lse_ptr + site * P * H + th, mask=mask_th, other=0.0)
-    for j in range(0, n_blk):
-        row = j * span
-        v = tl.load(rows_ptr + row * row_stride + tile, mask=mask, other=0.0).to(ACC)
-        r = tl.load(r_ptr + row * P + offs_t, mask=mask_t, other=0.0)
-        alpha, dl, c, a_HK = _pair_softmax_grad(v, r, dout, w_HK, lse, S, store_ty, ACC)
-        a += a_HK
-        _keep_pair(pair_ptr, c_ptr, alpha, dl, c, slot, j, NB, P, H, th, mask_th, offs_t, mask_t, FIRST)
-
-    v = tl.load(rows_ptr + site * row_stride + tile, mask=mask, other=0.0).to(ACC)
-    r = tl.load(r_ptr + site * P + offs_t, mask=mask_t, other=0.0)
-    alpha, dl, c, a_HK = _pair_softmax_grad(v, r, dout, w_HK, lse, S, store_ty, ACC)
-    a += a_HK
-    if own_block >= 0:  # a block row: the block pass (_block_pass_bwd_kernel) finishes it
-        _keep_pair(pair_ptr, c_ptr, alpha, dl, c, slot, own_block, NB, P, H, th, mask_th, offs_t, mask_t, False)
-    else:
-        dv = alpha[:, :, None] * dout + (dl * r[:, None])[:, :, None] * w_HK[None, :, :]
-        dv -= (r * r * c / D)[:, None, None] * v
-        dv += tl.load(chain_ptr + tile, mask=mask & (has_chain != 0), other=0.0).to(ACC)
+    if own_partial != 0:
+        v = tl.load(rows_ptr + site * row_stride + tile, mask=mask, other=0.0).to(ACC)
+        r = tl.load(r_ptr + site * P + offs_t, mask=mask_t, other=0.0)
+        w_HK = tl.load(w_ptr + site * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
+        lse = tl.load(lse_ptr + site * P * H + th, mask=mask_th, other=0.0)
+        chain = tl.load(chain_ptr + tile, mask=mask & (has_chain != 0), other=0.0)
+        kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
+        dv, dl, c = _pair_grads(v, kr, r, dout, w_HK, lse, S)
+        dv += chain.to(ACC) - (r * r * c / D)[:, None, None] * v
         tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
-    return a
-
-
-@triton.jit
-def _block_paths(dout_ptrs_ptr, pair_ptr, w_ptr, j, s_lo, n_slots, NB, P, D, H, tile, mask, th, mask_th, col_HK,
-                 mask_hk, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
-                 store_ty: tl.constexpr):
-    """sum over the block's sites of alpha * dout (value path) and dl * w (key path, before r) for row j."""
-    value = tl.zeros([BLOCK_T, H_P, K_P], ACC)
-    key = tl.zeros([BLOCK_T, H_P, K_P], ACC)
-    for slot in range(0, n_slots):
-        alpha_off, dl_off = _pair_table_offsets(slot, j, NB, P, H, th)
-        dout = tl.load(_dout_rows(dout_ptrs_ptr, slot, slot < n_slots, store_ty) + tile, mask=mask,
-                       other=0.0).to(ACC)
-        alpha = tl.load(pair_ptr + alpha_off, mask=mask_th, other=0.0)
-        dl = tl.load(pair_ptr + dl_off, mask=mask_th, other=0.0)
-        w_HK = tl.load(w_ptr + (s_lo + slot) * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
-        value += alpha[:, :, None] * dout
-        key += dl[:, :, None] * w_HK[None, :, :]
-    return value, key
+        tl.store(dl_ptr + _dl_offsets(site, NB, NB, P, H, zth), dl, mask=mask_th)
+    tl.store(S_ptr + slot * P * H + th, S, mask=mask_th)
+    if tl.program_id(0) == 0:  # the block pass finds this dout through the table
+        tl.store(dout_ptrs_ptr + slot, dout_addr)
 
 
 @triton.jit(do_not_specialize=["block", "s_lo", "n_slots", "span"])
 def _block_pass_bwd_kernel(
-    rows_ptr, r_ptr, w_ptr, dout_ptrs_ptr, pair_ptr, c_ptr, g_ptr, dsrc_ptr,
+    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, g_ptr, dsrc_ptr,
     block, s_lo, n_slots, span, NB, P, D, H, K,
     LAST: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Block `block` (sites s_lo .. s_lo + n_slots - 1, their douts in dout_ptrs[0 .. n_slots)) is done: add its
-    paths into G[j] for the block rows j < block (LAST: the last block initialises G), then finish block row
-    `block` (buffer row s_lo): its G plus this block's paths, minus the coupling r^2 / D * C * v, into dsrc. (Its
-    row R_{s_lo + 1} does not contain it, so no chain comes in; the site before reads this dsrc as its chain.)"""
+    """Block `block` (sites s_lo .. s_lo + n_slots - 1: their douts in dout_ptrs[0 .. n_slots), their S in
+    S[0 .. n_slots)) is done. For each block row j <= block (buffer row j * span): its pairs with every site of
+    the block (each pair's dl into the dl table), summed with the coupling into G[j] for j < block (LAST: the
+    last block initialises G), and for j = block into dsrc with G[block]: that row is finished. (Its row
+    R_{s_lo + 1} does not contain it, so no chain comes in; the site before reads this dsrc as its chain.)"""
     offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
+    zth = tl.arange(0, H_P)[None, :] * P + offs_t[:, None].to(tl.int64)
     row_stride = (tl.full([], 0, tl.int64) + P) * D
     store_ty = rows_ptr.dtype.element_ty
-    for j in range(0, block):
+    for j in range(0, block + 1):
+        v = tl.load(rows_ptr + j * span * row_stride + tile, mask=mask, other=0.0).to(ACC)
         r = tl.load(r_ptr + j * span * P + offs_t, mask=mask_t, other=0.0)
-        value, key = _block_paths(dout_ptrs_ptr, pair_ptr, w_ptr, j, s_lo, n_slots, NB, P, D, H, tile, mask, th,
-                                  mask_th, col_HK, mask_hk, BLOCK_T, H_P, K_P, ACC, store_ty)
-        g = value + r[:, None, None] * key
+        kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
+        dv = tl.zeros([BLOCK_T, H_P, K_P], ACC)
+        c = tl.zeros([BLOCK_T], ACC)
+        for slot in range(0, n_slots):
+            dout = tl.load(_dout_rows(dout_ptrs_ptr, slot, slot < n_slots, store_ty) + tile, mask=mask,
+                           other=0.0).to(ACC)
+            S = tl.load(S_ptr + slot * P * H + th, mask=mask_th, other=0.0)
+            lse = tl.load(lse_ptr + (s_lo + slot) * P * H + th, mask=mask_th, other=0.0)
+            w_HK = tl.load(w_ptr + (s_lo + slot) * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
+            dv_s, dl, c_s = _pair_grads(v, kr, r, dout, w_HK, lse, S)
+            dv += dv_s
+            c += c_s
+            # (the block's dl of row j gathered in registers and stored after the loop instead: sm_90 registers
+            # 143 / 160 / 94 -> 168 / 168 / 120; not kept)
+            tl.store(dl_ptr + _dl_offsets(s_lo + slot, j, NB, P, H, zth), dl, mask=mask_th)
+        dv -= (r * r * c / D)[:, None, None] * v
         if not LAST:
-            g += tl.load(g_ptr + j * row_stride + tile, mask=mask, other=0.0)
-        tl.store(g_ptr + j * row_stride + tile, g, mask=mask)
-    v = tl.load(rows_ptr + s_lo * row_stride + tile, mask=mask, other=0.0).to(ACC)
-    r = tl.load(r_ptr + s_lo * P + offs_t, mask=mask_t, other=0.0)
-    value, key = _block_paths(dout_ptrs_ptr, pair_ptr, w_ptr, block, s_lo, n_slots, NB, P, D, H, tile, mask, th,
-                              mask_th, col_HK, mask_hk, BLOCK_T, H_P, K_P, ACC, store_ty)
-    dv = value + r[:, None, None] * key
-    if not LAST:
-        dv += tl.load(g_ptr + block * row_stride + tile, mask=mask, other=0.0)
-    c = tl.load(c_ptr + block * P + offs_t, mask=mask_t, other=0.0)
-    dv -= (r * r * c / D)[:, None, None] * v
-    tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
+            dv += tl.load(g_ptr + j * row_stride + tile, mask=mask, other=0.0)
+        if j < block:
+            tl.store(g_ptr + j * row_stride + tile, dv, mask=mask)
+        else:
+            tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["span"])
+def _block_query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, NB, span, P, D, H, K,
+                             BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
+                             PREC: tl.constexpr):
+    """A_s = sum over the rows s routes over and the tokens of dl(s, row) kr_row, per head, once at the end of
+    the backward. Row rho is a block row (rho = j * span < N - 1: read by the sites rho..N-1, dl slot j) or a
+    partial sum (read by site rho only, dl slot NB). One program: a token block, a head and a K_B-wide column
+    slice; per row a dl [sites, BLOCK_T] @ kr [BLOCK_T, K_B] tensor-core product; its partial a[pid_t, sites,
+    columns] is summed over token blocks on the host in a fixed order (as _query_grad_kernel)."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    k0 = tl.program_id(2) * K_B
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_s = tl.arange(0, S_P)
+    offs_b = tl.arange(0, K_B)
+    mask_t = offs_t < P
+    mask_b = k0 + offs_b < K
+    col = h * K + k0 + offs_b
+    tile = offs_t[:, None].to(tl.int64) * D + col[None, :]
+    mask = mask_t[:, None] & mask_b[None, :]
+    row_stride = (tl.full([], 0, tl.int64) + P) * D
+    store_ty = rows_ptr.dtype.element_ty
+    a = tl.zeros([S_P, K_B], ACC)
+    for rho in range(0, N):
+        is_block = (rho % span == 0) & (rho < N - 1)
+        slot = tl.where(is_block, rho // span, NB)
+        mask_s = (offs_s >= rho) & (offs_s < N) & (is_block | (offs_s == rho))
+        dl_off = ((offs_s.to(tl.int64) * (NB + 1) + slot) * H + h) * P
+        dl = tl.load(dl_ptr + dl_off[:, None] + offs_t[None, :], mask=mask_s[:, None] & mask_t[None, :], other=0.0)
+        r = tl.load(r_ptr + rho * P + offs_t, mask=mask_t, other=0.0).to(ACC)
+        v = tl.load(rows_ptr + rho * row_stride + tile, mask=mask, other=0.0).to(ACC)
+        kr = _mma_operand(_to_storage(v * r[:, None], store_ty), store_ty, ACC)  # exact in the storage dtype
+        a = _mma_weights(dl, kr, a, store_ty, ACC, PREC)
+    tl.store(a_ptr + (pid_t * N + offs_s[:, None]).to(tl.int64) * D + col[None, :], a,
+             mask=(offs_s[:, None] < N) & mask_b[None, :])

@@ -6,14 +6,14 @@ y_{s-1} (site 0: the embedding); the kernel forms the block's running partial su
 separate partial-sum add, no copies of the block sums. Each site reads the completed block rows and its own
 row once; the statistic of a block row is taken once, when the row is written.
 
-Backward: strict reverse order (autograd's, since every site's output feeds the next site's row). A row that
-is not a block row (a partial sum) is read by its own site only and is finished there; the gradient that flows
-into it from the next partial sum is the dsrc the next site returned, kept for it (no fp32 chain buffer). A
-block row is read by every later site: each site keeps its block pairs' softmax gradients in a per-block table
-(its dout stays the tensor autograd delivered, found through a table of addresses), and at the block's first
-site one more launch adds the whole block into fp32 block-row gradients G and finishes the block's own row.
-dq, dg are per-program partials, reduced on the host in a fixed order every A_SLOTS sites: deterministic, no
-atomics.
+Backward: strict reverse order (autograd's, since every site's output feeds the next site's row). Per site a
+light kernel: S = <dout, out> per head, and a row that is not a block row (a partial sum, read by its own site
+only) finished at once; the gradient that flows into it from the next partial sum is the dsrc the next site
+returned, kept for it. A block row is read by every later site: at a block's first site one pass reads each
+block row j <= k once, pairs it with all the block's sites (their douts are the tensors autograd delivered,
+found through a table of addresses: no copy), adds the block's share into the fp32 block-row gradients G and
+finishes the block's own row. Every pair's softmax gradient dl is kept, and one tensor-core pass at the end
+gives dq, dg (per-token-block partials summed on the host in a fixed order): deterministic, no atomics.
 
 Order contract as in FullRouting: activation checkpointing that recomputes routing, or a backward that does
 not start at the final site, raises. A retained graph may be differentiated again. (An intermediate site
@@ -34,7 +34,6 @@ from mhar_lit.kernels import _block_kernels as kern
 from mhar_lit.kernels.launch import launch
 from mhar_lit.kernels.routing_triton import accumulator, check_device, check_storage_dtype, pow2, tile_tokens
 
-A_SLOTS = 8  # sites whose dq/dg partials are kept before one host reduction (memory: A_SLOTS x programs x D)
 # Tile and warps from the H200 measurements of 2026-12-03 (session 7; benchmarks/results/block_routing.md). Call 1:
 # of 4 / 8 warps x 2048 / 4096 / 8192 tile elements, 2048 was fastest at every shape. Call 2 (backward
 # "block_pass", CUDA graph): 4 warps best at 100M / 350M (5.05 / 6.37 ms; 8 warps 5.67 / 6.59), 8 warps at 1B
@@ -42,17 +41,13 @@ A_SLOTS = 8  # sites whose dq/dg partials are kept before one host reduction (me
 DEFAULT_WARPS = 0
 DEFAULT_TILE = 2048
 UNROLL_CHOICES = (1, 2)  # block rows whose loads the forward's loop issues together
-# The backward adds a block's pairs into the block-row gradients once per block (_block_site_bwd_kernel +
-# _block_pass_bwd_kernel). Session 7 (call 2, CUDA graph, 4 warps x 2048) measured it at 5.05 / 6.37 / 7.98 ms
-# against 6.23 / 7.72 / 8.80 for adding every (site, block row) pair into G (an fp32 read + write per pair), a
-# version removed on 2026-12-04 (its kernel: git history before that date).
-# Token tiles per program of the backward's site kernel (site_tiles): each program writes one dq/dg partial of
-# D fp32 that the host sum reads back, per site: at 1B (one token per tile) twice the bytes of the token's row.
-# More tiles per program make those partials that many times fewer, but the loop over tiles costs registers on
-# sm_90 (Triton 3.6, compile_check.py): 128 / 128 / 64 with one tile at 100M / 350M / 1B, 167 / 147-149 / 80
-# with 2 or 4, i.e. 3 resident programs per SM instead of 4. Not yet timed on a GPU (2026-12-04: no device was
-# lent), so the default stays 1 (no loop); benchmarks/block_routing.py --configs takes it as a fourth field.
-DEFAULT_SITE_TILES = 1
+# Backward design (2026-12-04, session 14; not yet timed on a GPU, no device was lent): block pairs are formed
+# in the per-block pass, each block row read once per block instead of once per site, and dq/dg come from one
+# tensor-core pass over every pair's dl instead of per-program partials of every site (at 1B, one token per
+# program, those were twice the bytes of the row, per site). Traffic model (benchmarks/block_routing.py
+# traffic_bytes): see benchmarks/results/block_routing.md. Session 7's design (the pairs formed per site, an
+# fp32 read + write of G per block, per-site dq/dg partials) measured 5.05 / 6.37 / 6.73 ms (CUDA graph).
+QUERY_GRAD_TOKENS = 64  # tokens per program of the dq/dg pass (as FullRouting's DOT_TOKENS)
 
 
 def aligned(x: Tensor) -> bool:
@@ -65,7 +60,7 @@ class BlockRouting:
 
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int, span: int,
                  eps: float = 1e-6, num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE,
-                 unroll: int = 1, site_tiles: int = DEFAULT_SITE_TILES) -> None:
+                 unroll: int = 1) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -80,8 +75,6 @@ class BlockRouting:
                              "layer sites")
         if unroll not in UNROLL_CHOICES:
             raise ValueError(f"unroll must be one of {UNROLL_CHOICES}, got {unroll}")
-        if site_tiles < 1:
-            raise ValueError(f"site_tiles ({site_tiles}) must be >= 1")
         if num_warps < 0 or tile_elements < 1:
             raise ValueError(f"num_warps ({num_warps}) must be >= 0 (0: automatic) and tile_elements "
                              f"({tile_elements}) positive")
@@ -96,8 +89,8 @@ class BlockRouting:
         self.block_t = tile_tokens(self.h_p * self.k_p, tile_elements)
         self.programs = triton.cdiv(self.p, self.block_t)
         self.num_warps = num_warps or (8 if self.block_t == 1 else 4)
-        self.site_tiles = site_tiles
-        self.site_programs = triton.cdiv(self.programs, self.site_tiles)
+        self.k_b = 32 if self.k >= 32 else 16  # column slice of the dq/dg pass (as FullRouting's)
+        self.prec = "ieee" if self.acc_t == torch.float64 else "tf32x3"  # fp32-accurate tensor-core dots
         self.param_dtypes = (query_SD.dtype, norm_weight_SD.dtype)
         self._key = (self.shape, n, heads, eps, self.dtype, span)
         with torch.no_grad():
@@ -199,13 +192,10 @@ class BlockRouting:
         dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
         self._site_backward(site, out_BTD, dout, dsrc_PD)
         bw["next_dsrc"] = dsrc_PD  # the gradient of R_site: the chain of site - 1 if R_site contains R_{site-1}
-        if site % A_SLOTS == 0:  # sites [site, site + A_SLOTS) are complete
-            last = min(site + A_SLOTS, n)
-            torch.sum(bw["a"][: last - site], dim=1, out=bw["A"][site:last])
         self.next_backward -= 1
         if site > 0:
             return dsrc_PD.view(self.shape), None, None
-        a_SD = bw["A"]
+        a_SD = self._query_grad()  # every pair's dl exists now
         dq = (a_SD * self.g_SD).to(self.param_dtypes[0])
         dg = (a_SD * self.q_SD).to(self.param_dtypes[1])
         self._bwd = None
@@ -220,24 +210,36 @@ class BlockRouting:
         dims = (self.p, self.shape[2], self.heads, self.k)
         has_chain = not start and site < n - 1
         bw["douts"][site - s0] = dout  # the block pass reads it through bw["dout_ptrs"]
-        launch(kern._block_site_bwd_kernel, (self.site_programs,),
-            self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["dout_ptrs"], bw["pairs"], bw["C"],
-            bw["next_dsrc"] if has_chain else dsrc_PD, dsrc_PD, bw["a"], site, site - s0,
-            self.block_rows_before(site), self.span, block if start else -1, int(has_chain), site % A_SLOTS,
+        launch(kern._block_site_bwd_kernel, (self.programs,),
+            self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["dout_ptrs"], bw["S"], bw["dl"],
+            bw["next_dsrc"] if has_chain else dsrc_PD, dsrc_PD, site, site - s0, int(not start), int(has_chain),
             blocks, *dims, dout.data_ptr(),
-            FIRST=site == n - 1, BLOCK_T=self.block_t, TILES=self.site_tiles, H_P=self.h_p, K_P=self.k_p,
-            ACC=self.acc_tl, num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
+            BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
+            num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
         )
         if not start:
             return
         slots = (n - s0) if block == blocks - 1 else self.span
         launch(kern._block_pass_bwd_kernel, (self.programs,),
-            self.rows, self.r, self.w_SD, bw["dout_ptrs"], bw["pairs"], bw["C"], bw["G"], dsrc_PD,
+            self.rows, self.r, self.w_SD, self.lse, bw["dout_ptrs"], bw["S"], bw["dl"], bw["G"], dsrc_PD,
             block, s0, slots, self.span, blocks, *dims,
             LAST=block == blocks - 1, BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
             num_warps=self.num_warps, key=self._key,
         )
         bw["douts"] = [None] * len(bw["douts"])  # the block's douts are read; the block before fills the table
+
+    def _query_grad(self) -> Tensor:
+        """A [n, D] from every pair's dl and kr (one launch once all dl exist); dq = A g, dg = A q."""
+        bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
+        token_blocks = triton.cdiv(p, QUERY_GRAD_TOKENS)
+        a_part = torch.empty(token_blocks, n, d, dtype=self.acc_t, device=self.device)
+        launch(kern._block_query_grad_kernel, (token_blocks, self.heads, triton.cdiv(self.k, self.k_b)),
+            self.rows, self.r, bw["dl"], a_part, n, self.block_rows_before(n - 1), self.span, p, d, self.heads,
+            self.k,
+            BLOCK_T=QUERY_GRAD_TOKENS, K_B=self.k_b, S_P=max(16, pow2(n)), ACC=self.acc_tl, PREC=self.prec,
+            num_warps=4, key=self._key,
+        )
+        return a_part.sum(0)
 
     def _backward_buffers(self) -> dict:
         n, p, d = self.n_sites, self.p, self.shape[2]
@@ -248,13 +250,11 @@ class BlockRouting:
             # until its block pass, which finds them through a table of their addresses: no copy
             "douts": [None] * (self.span + 1),
             "dout_ptrs": torch.zeros(self.span + 1, dtype=torch.int64, device=self.device),
-            # one block's pair softmax weights and gradients, and every block row's RMSNorm coupling
-            "pairs": torch.empty(self.span + 1, blocks, 2, p, self.heads, **acc),
-            "C": torch.empty(blocks, p, **acc),
-            "G": torch.empty(blocks, p, d, **acc),  # block rows' gradients, summed over the sites reading them
+            "S": torch.empty(self.span + 1, p, self.heads, **acc),  # one block's <dout, out> per head
+            # every pair's softmax gradient: [site, slot] with slot j for block row j, blocks for the own partial
+            "dl": torch.empty(n, blocks + 1, self.heads, p, **acc),
+            "G": torch.empty(blocks, p, d, **acc),  # block rows' gradients, summed over the blocks reading them
             "next_dsrc": None,  # the dsrc of the site after the current one (the gradient of its partial sum)
-            "a": torch.empty(min(A_SLOTS, n), self.site_programs, d, **acc),
-            "A": torch.empty(n, d, **acc),
         }
 
 

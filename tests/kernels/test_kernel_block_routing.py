@@ -16,7 +16,7 @@ from kernel_helpers import (block_mode_output_and_grads, block_mode_problem, blo
                             fresh_generator, leaf, permuted_within_heads, rel)
 
 from mhar_lit.kernels import launch as fast_launch  # noqa: E402
-from mhar_lit.kernels.block_routing import A_SLOTS, BlockRouting  # noqa: E402
+from mhar_lit.kernels.block_routing import BlockRouting  # noqa: E402
 
 NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
 
@@ -34,10 +34,10 @@ def audit_launch_keys(monkeypatch):
     (3, 2, 3, 12),    # H not a power of two
     (4, 4, 4, 20),    # two layers per block, K = 5
     (2, 4, 1, 8),     # one block, single head: the final site routes over the embedding and the partial
-    (6, 4, 2, 16),    # 13 sites: the dq/dg partials are reduced in two rounds of A_SLOTS
+    (6, 4, 2, 16),    # 13 sites, 3 blocks: pairs from three block passes
+    (5, 2, 2, 8),     # 11 sites, 5 blocks of one layer: the dq/dg pass's rows mostly block rows
 ])
 def test_fp32_matches_float64_reference(layers, span, heads, d):
-    assert 2 * 6 + 1 > A_SLOTS  # the last case spans more than one reduction round
     gen = fresh_generator()
     problem = block_mode_problem(layers, d, gen)
     exact = block_mode_output_and_grads("torch", *problem, heads, span, torch.float64)
@@ -118,15 +118,13 @@ def test_tiling_and_repeats_change_nothing():
     base = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32)
     again = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(base, again))
-    for tile, warps, unroll, tiles in ((16, 1, 1, 1), (64, 2, 2, 1), (4096, 4, 2, 1), (4096, 0, 1, 2),
-                                       (16, 1, 1, 3), (64, 2, 1, 2), (64, 2, 2, 8)):
-        # 1, 4 and all 15 tokens per tile; backward site programs of 1-8 tiles, some past the last token
+    for tile, warps, unroll in ((16, 1, 1), (64, 2, 2), (4096, 4, 2), (4096, 0, 1)):
+        # 1, 4 and all 15 tokens per program
         got = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32, tile_elements=tile,
-                                          num_warps=warps, unroll=unroll, site_tiles=tiles)
+                                          num_warps=warps, unroll=unroll)
         for name, a, b in zip(NAMES, got, base):
             assert rel(a, b) <= 1e-6, (
-                f"tile {tile} unroll {unroll} site_tiles {tiles} {name}: {rel(a, b):.1e} "
-                f"(seed {gen.initial_seed()})")
+                f"tile {tile} unroll {unroll} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})")
 
 
 def test_second_backward_of_a_retained_graph_and_state_release():
@@ -163,8 +161,6 @@ def test_order_and_input_errors_are_named():
         BlockRouting(x, q, q, 2, span=2, unroll=3)
     with pytest.raises(ValueError, match="num_warps"):
         BlockRouting(x, q, q, 2, span=2, num_warps=-1)
-    with pytest.raises(ValueError, match="site_tiles"):
-        BlockRouting(x, q, q, 2, span=2, site_tiles=0)
     routing = BlockRouting(x, q, q, 2, span=2)
     with pytest.raises(ValueError, match="site 0 must receive"):
         routing.route(0, x)
