@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernel_helpers import (block_mode_output_and_grads, block_mode_problem, block_stack_loss,  # noqa: E402
-                            fresh_generator, leaf, permuted_within_heads, rel)
+                            fresh_generator, leaf, permuted_within_heads, rel, torch_block_sites)
 
 from mhar_lit.kernels import launch as fast_launch  # noqa: E402
 from mhar_lit.kernels.block_routing import BlockRouting  # noqa: E402
@@ -182,3 +182,65 @@ def test_unused_final_output_raises():
     with pytest.raises(RuntimeError, match="reverse order"):
         x1.sum().backward()
 
+
+
+def _misaligned(x):  # same values, data pointer 4 bytes past an aligned one
+    buf = torch.empty(x.numel() + 1, dtype=x.dtype)
+    view = buf[1:].view(x.shape)
+    view.copy_(x)
+    return view
+
+
+class _Shift(torch.autograd.Function):  # identity whose forward output and backward gradient are misaligned
+    @staticmethod
+    def forward(ctx, x):
+        return _misaligned(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _misaligned(grad)
+
+
+def test_misaligned_douts_route_the_same():
+    """Output gradients off a 16-byte boundary: the block pass reads the douts through an address table as
+    16-byte aligned rows, so BlockRouting keeps an aligned copy of such a dout; results equal aligned ones."""
+    gen = fresh_generator()
+    emb, q, g, mats, dout = block_mode_problem(4, 12, gen)
+    results = []
+    for shift in (False, True):
+        e, qq, gg = leaf(emb.float(), q.float(), g.float())
+        routing = BlockRouting(e, qq, gg, 3, span=4)
+
+        def site_fn(s, new):
+            out = routing.route(s, new, *((qq, gg) if s == 0 else (None, None)))
+            return _Shift.apply(out) if shift and s % 2 == 1 else out  # its backward hands a misaligned dout
+
+        outputs = []
+        loss = block_stack_loss(site_fn, e, [m.float() for m in mats], dout, outputs)
+        results.append((outputs[0], *torch.autograd.grad(loss, (e, qq, gg))))
+    assert all(torch.equal(a, b) for a, b in zip(*results)), f"seed {gen.initial_seed()}"
+
+
+def test_kept_dsrc_is_not_accumulated_into():
+    """A site's dsrc is kept as the chain of the site before (the gradient of its partial sum). Here every
+    sublayer output y reaches the routing as y + y / 2, whose backward hands the very dsrc tensor to y and a
+    scaled copy to y / 2: autograd then sums two gradients for y, and must not do so in place in the kept
+    tensor (it does not while BlockRouting holds a reference). fp32 against the float64 reference."""
+    gen = fresh_generator()
+    problem = block_mode_problem(4, 16, gen)
+
+    def grads(kind, dtype):
+        emb, q, g, mats, dout = problem
+        e, qq, gg = leaf(emb.to(dtype), q.to(dtype), g.to(dtype))
+        if kind == "torch":
+            inner = torch_block_sites(e, qq, gg, 2, 4)
+        else:
+            routing = BlockRouting(e, qq, gg, 2, span=4)
+            inner = lambda s, new: routing.route(s, new, *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
+        site_fn = lambda s, new: inner(s, new if s == 0 else torch.add(new, new / 2))  # noqa: E731
+        loss = block_stack_loss(site_fn, e, [m.to(dtype) for m in mats], dout)
+        return torch.autograd.grad(loss, (e, qq, gg))
+
+    exact, ref32, got = grads("torch", torch.float64), grads("torch", torch.float32), grads("triton", torch.float32)
+    for name, a, r, x in zip(NAMES[1:], got, ref32, exact):
+        assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), f"{name}: {rel(a, x):.2e} (seed {gen.initial_seed()})"
