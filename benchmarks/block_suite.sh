@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The block-mode benchmarks of one device call (issue 4), each step with its own deadline: block routing fwd+bwd
-# of this tree (defaults and two tile configs, CUDA graph, per-kernel profile), the same script in an A/B copy of
+# of this tree (defaults and three configs, CUDA graph, per-kernel profile), the same script in an A/B copy of
 # another commit if given, training steps against the baseline (CUDA graphs) and the memory peaks.
 # Usage, from the repository root: benchmarks/block_suite.sh OUTDIR [SECONDS] [AB_DIR]
 #   AB_DIR: a copy of another commit's tree (e.g. `git worktree add .ab/head b8cd2bb`, carried to the device as .ab)
@@ -22,7 +22,7 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
  python3 -c "import sys,torch,triton;print(sys.version.split()[0],torch.__version__,triton.__version__)"
  git rev-parse HEAD 2>/dev/null; date -u) > "$OUT_DIR/env.txt" 2>&1
 step block_routing 30 python3 benchmarks/block_routing.py --graph --profile --variants triton \
-  --configs default 8x2048x1 4x2048x1 --out "$OUT_DIR/new"
+  --configs default 8x2048x1 4x2048x1 8x2048x2 --out "$OUT_DIR/new"
 if [[ -n "$AB_DIR" ]]; then
   step block_routing_ab 45 bash -c "cd '$AB_DIR' && python3 benchmarks/block_routing.py --graph --variants triton --out '$OUT_DIR/ab'"
 fi
