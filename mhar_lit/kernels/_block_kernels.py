@@ -7,15 +7,14 @@ whole previous block: the completed block row. Block rows sit at s0 = j * span (
 Site s routes over the block rows j * span < s (their statistics r were stored when they were created) and
 its own row R_s; this is BlockAttnRes's [embedding, B_1, .., B_{n-1}] + [partial], in the same order.
 
-Backward, site by site in reverse order (one site kernel each, plus one block pass at a block's first site):
-a site's pairs with block rows keep their softmax weights and gradients in a per-block pair table, and the
-block pass adds the whole block into the fp32 block-row gradients G[j] (see the section below). A row that
-is not a block row (a partial sum) is read by its own site only and is finished there: the local pair, plus
-the gradient of R_{s+1} when R_{s+1} contains R_s. That gradient is the dsrc the next site returned (the
-gradient of y_s = the gradient of R_{s+1}), read back in the storage dtype: the chain through the partial sum
-is rounded at every step as in the PyTorch reference's own autograd (exact with fp32 storage), and no fp32
-chain buffer is read and written per site. The finished total is the gradient of y_{s-1}. Pair math as in
-_routing_kernels (module docstring).
+Backward, site by site in reverse order (one site kernel each, plus one block pass at a block's first site;
+see the section below): the site kernel takes S = <dout, out> and finishes its own row where that is not a
+block row (a partial sum, read by its own site only): the local pair, plus the gradient of R_{s+1} when R_{s+1}
+contains R_s. That gradient is the dsrc the next site returned (the gradient of y_s = the gradient of R_{s+1}),
+read back in the storage dtype: the chain through the partial sum is rounded at every step, as in the PyTorch
+reference's own autograd (exact with fp32 storage). The finished total is the gradient of y_{s-1}. The block
+pass forms every pair of a block row with the block's sites and adds them into the fp32 block-row gradients
+G[j]. Pair math as in _routing_kernels (module docstring).
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mhar_lit.kernels._routing_kernels import (_dout_rows, _full_row_tile, _mma_operand, _mma_weights, _online_update,
-                                               _rsqrt_mean_square, _to_storage)
+from mhar_lit.kernels._routing_kernels import (_dout_rows, _full_row_tile, _mma_operand, _mma_weights,
+                                               _online_update, _rsqrt_mean_square, _to_storage)
 
 
 @triton.jit(do_not_specialize=["site", "n_blk", "span", "add_prev"])
@@ -208,12 +207,13 @@ def _block_query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, NB, span, P, D, 
     row_stride = (tl.full([], 0, tl.int64) + P) * D
     store_ty = rows_ptr.dtype.element_ty
     a = tl.zeros([S_P, K_B], ACC)
+    # each site's dl rows of head h, slot 0 (sm_90: 151 -> 138 registers at 350M, 1B's 8-byte spill gone)
+    dl_sites = dl_ptr + h * P + (offs_s.to(tl.int64) * (NB + 1) * H * P)[:, None] + offs_t[None, :]
     for rho in range(0, N):
         is_block = (rho % span == 0) & (rho < N - 1)
         slot = tl.where(is_block, rho // span, NB)
         mask_s = (offs_s >= rho) & (offs_s < N) & (is_block | (offs_s == rho))
-        dl_off = ((offs_s.to(tl.int64) * (NB + 1) + slot) * H + h) * P
-        dl = tl.load(dl_ptr + dl_off[:, None] + offs_t[None, :], mask=mask_s[:, None] & mask_t[None, :], other=0.0)
+        dl = tl.load(dl_sites + slot * H * P, mask=mask_s[:, None] & mask_t[None, :], other=0.0)
         r = tl.load(r_ptr + rho * P + offs_t, mask=mask_t, other=0.0).to(ACC)
         v = tl.load(rows_ptr + rho * row_stride + tile, mask=mask, other=0.0).to(ACC)
         kr = _mma_operand(_to_storage(v * r[:, None], store_ty), store_ty, ACC)  # exact in the storage dtype

@@ -71,13 +71,7 @@ def _rsqrt_mean_square(v, D, eps):
 @triton.jit
 def _full_row_tile(P, D, H, K, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr):
     """This program's [BLOCK_T, H_P, K_P] tile of full rows: offsets into a [P, D] row and masks."""
-    return _full_row_tile_at(tl.program_id(0), P, D, H, K, BLOCK_T, H_P, K_P)
-
-
-@triton.jit
-def _full_row_tile_at(index, P, D, H, K, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr):
-    """Token tile `index`'s [BLOCK_T, H_P, K_P] tile of full rows (see _full_row_tile)."""
-    offs_t = index * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.arange(0, H_P)
     offs_k = tl.arange(0, K_P)
     mask_t = offs_t < P
@@ -139,11 +133,11 @@ def _pair_row(src, site, N):
 
 @triton.jit
 def _dout_rows(dout_ptrs_ptr, s, ok, store_ty: tl.constexpr):
-    """The [P, D] dout of site(s) s (a scalar or a vector) as pointers, from the backward's table of the douts
-    autograd delivered (FullRouting keeps those tensors alive instead of copying them into a buffer); null
-    where not ok (such lanes must stay masked)."""
+    """The [P, D] dout of site(s) s (a scalar or a vector) as pointers, from a backward's table of the douts
+    autograd delivered (FullRouting and BlockRouting keep those tensors alive instead of copying them into a
+    buffer); null where not ok (such lanes must stay masked)."""
     rows = tl.load(dout_ptrs_ptr + s, mask=ok, other=0).to(tl.pointer_type(store_ty))
-    return tl.multiple_of(rows, 16)  # FullRouting enters only 16-byte aligned douts (vector loads)
+    return tl.multiple_of(rows, 16)  # the routing classes enter only 16-byte aligned douts (vector loads)
 
 
 @triton.jit(do_not_specialize=["row"])

@@ -253,7 +253,9 @@ class BlockRouting:
             "S": torch.empty(self.span + 1, p, self.heads, **acc),  # one block's <dout, out> per head
             # every pair's softmax gradient: [site, slot] with slot j for block row j, blocks for the own partial
             "dl": torch.empty(n, blocks + 1, self.heads, p, **acc),
-            "G": torch.empty(blocks, p, d, **acc),  # block rows' gradients, summed over the blocks reading them
+            # block rows' gradients, summed over the blocks reading them (the last block row is finished by the
+            # last block's pass, the first in the backward, without one)
+            "G": torch.empty(max(blocks - 1, 1), p, d, **acc),
             "next_dsrc": None,  # the dsrc of the site after the current one (the gradient of its partial sum)
         }
 

@@ -37,9 +37,10 @@ def audit_launch_keys(monkeypatch):
     (6, 4, 2, 16),    # 13 sites, 3 blocks: pairs from three block passes
     (5, 2, 2, 8),     # 11 sites, 5 blocks of one layer: the dq/dg pass's rows mostly block rows
 ])
-def test_fp32_matches_float64_reference(layers, span, heads, d):
+@pytest.mark.parametrize("tokens", [(2, 3), (1, 70)])  # 70: the dq/dg pass sums two token blocks of 64
+def test_fp32_matches_float64_reference(layers, span, heads, d, tokens):
     gen = fresh_generator()
-    problem = block_mode_problem(layers, d, gen)
+    problem = block_mode_problem(layers, d, gen, *tokens)
     exact = block_mode_output_and_grads("torch", *problem, heads, span, torch.float64)
     ref32 = block_mode_output_and_grads("torch", *problem, heads, span, torch.float32)
     got = block_mode_output_and_grads("triton", *problem, heads, span, torch.float32)
@@ -111,8 +112,8 @@ def test_bf16_within_reference_rounding_error():
 
 
 def test_tiling_and_repeats_change_nothing():
-    """Token tiles regroup independent tokens (the dq/dg partials' order aside): equal to fp32 rounding;
-    repeated runs are bitwise identical."""
+    """Token tiles regroup independent tokens (dq/dg come from a pass whose token blocks do not follow them):
+    equal to fp32 rounding (a GPU's reductions may follow the tile); repeated runs are bitwise identical."""
     gen = fresh_generator()
     problem = block_mode_problem(4, 12, gen, b=3, t=5)
     base = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32)
@@ -182,8 +183,6 @@ def test_unused_final_output_raises():
     with pytest.raises(RuntimeError, match="reverse order"):
         x1.sum().backward()
 
-
-
 def _misaligned(x):  # same values, data pointer 4 bytes past an aligned one
     buf = torch.empty(x.numel() + 1, dtype=x.dtype)
     view = buf[1:].view(x.shape)
@@ -201,9 +200,21 @@ class _Shift(torch.autograd.Function):  # identity whose forward output and back
         return _misaligned(grad)
 
 
-def test_misaligned_douts_route_the_same():
+def test_misaligned_douts_route_the_same(monkeypatch):
     """Output gradients off a 16-byte boundary: the block pass reads the douts through an address table as
-    16-byte aligned rows, so BlockRouting keeps an aligned copy of such a dout; results equal aligned ones."""
+    16-byte aligned rows (tl.multiple_of, which the interpreter ignores), so BlockRouting must enter an aligned
+    copy of such a dout: every address entered is checked here, and the results equal those of aligned douts."""
+    import mhar_lit.kernels.block_routing as block_routing
+
+    entered = []  # (dout tensor, address entered into the table) of every site kernel launch
+
+    def recording_launch(kernel, grid, *args, **kwargs):
+        if kernel is block_routing.kern._block_site_bwd_kernel:
+            entered.append((args[4], args[-1]))
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    real_launch = block_routing.launch
+    monkeypatch.setattr(block_routing, "launch", recording_launch)
     gen = fresh_generator()
     emb, q, g, mats, dout = block_mode_problem(4, 12, gen)
     results = []
@@ -218,6 +229,8 @@ def test_misaligned_douts_route_the_same():
         outputs = []
         loss = block_stack_loss(site_fn, e, [m.float() for m in mats], dout, outputs)
         results.append((outputs[0], *torch.autograd.grad(loss, (e, qq, gg))))
+    assert len(entered) == 2 * 9
+    assert all(addr == t.data_ptr() and addr % 16 == 0 for t, addr in entered), [a % 16 for _, a in entered]
     assert all(torch.equal(a, b) for a, b in zip(*results)), f"seed {gen.initial_seed()}"
 
 

@@ -50,4 +50,5 @@ def test_block_routing_kernels_compile_for_sm90(dtype, knobs):
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "0 failed" in done.stdout, done.stdout
-    assert all(name in done.stdout for name in ("_block_fwd", "_block_site_bwd", "_block_pass_bwd")), done.stdout
+    kernels = ("_block_fwd", "_block_site_bwd", "_block_pass_bwd", "_block_query_grad")
+    assert all(name in done.stdout for name in kernels), done.stdout
