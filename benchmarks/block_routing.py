@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from routing import DEVICE, SHAPES, _Tie, copy_bandwidth, cuda_event_times, rel  # noqa: E402
+from routing import DEVICE, SHAPES, _Tie, copy_bandwidth, cuda_event_times, cuda_kernel_totals, rel  # noqa: E402
 
 from mhar_lit.config import ModelConfig  # noqa: E402
 from mhar_lit.residual import BlockAttnRes  # noqa: E402
@@ -128,18 +128,9 @@ def time_graphed(strat, prob, warmup, reps):
 
 def kernel_times(strat, prob):
     """CUDA time per kernel name (ms, summed over launches) and launch counts of one fwd+bwd, torch.profiler."""
-    import collections
-
     run_once(strat, prob)
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        run_once(strat, prob)
-        torch.cuda.synchronize()
-    totals, counts = collections.Counter(), collections.Counter()
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            totals[evt.name[:60]] += evt.device_time_total / 1e3
-            counts[evt.name[:60]] += 1
+    totals, counts = cuda_kernel_totals(lambda: run_once(strat, prob))
     return {name: dict(ms=ms, launches=counts[name]) for name, ms in totals.most_common()}
 
 

@@ -6,21 +6,8 @@
 #   AB_DIR: a copy of another commit's tree (e.g. `git worktree add .ab/head b8cd2bb`, carried to the device as .ab)
 set -uo pipefail
 OUT_DIR=${1:?output folder}; BUDGET=${2:-500}; AB_DIR=${3:-}
-T0=$(date +%s)
-left() { echo $(( T0 + BUDGET * $1 / 100 - $(date +%s) )); }  # seconds left until $1 % of the budget
-step() {  # step NAME PERCENT COMMAND...: run COMMAND until PERCENT of the budget, log to OUTDIR/NAME.log
-  local name=$1 pct=$2; shift 2
-  local t=$(left "$pct")
-  if (( t < 5 )); then echo "SKIP $name (no time left)"; return; fi
-  local s=$(date +%s)
-  timeout -k 5 "$t" "$@" > "$OUT_DIR/$name.log" 2>&1
-  echo "STEP $name rc=$? $(( $(date +%s) - s ))s"
-}
-mkdir -p "$OUT_DIR"
+source "$(dirname "$0")/suite_steps.sh"  # T0, step, the output folder and env.txt
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
-(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
- python3 -c "import sys,torch,triton;print(sys.version.split()[0],torch.__version__,triton.__version__)"
- git rev-parse HEAD 2>/dev/null; date -u) > "$OUT_DIR/env.txt" 2>&1
 step block_routing 30 python3 benchmarks/block_routing.py --graph --profile --variants triton \
   --configs default 8x2048x1 4x2048x1 8x2048x2 --out "$OUT_DIR/new"
 if [[ -n "$AB_DIR" ]]; then

@@ -5,20 +5,7 @@
 # (run from the repository root; logs and JSON land in OUTDIR; SECONDS is the wall budget of the whole suite).
 set -uo pipefail
 OUT_DIR=${1:?output folder}; BUDGET=${2:-500}
-T0=$(date +%s)
-left() { echo $(( T0 + BUDGET * $1 / 100 - $(date +%s) )); }  # seconds left until $1 % of the budget
-step() {  # step NAME PERCENT COMMAND...: run COMMAND until PERCENT of the budget, log to OUTDIR/NAME.log
-  local name=$1 pct=$2; shift 2
-  local t=$(left "$pct")
-  if (( t < 5 )); then echo "SKIP $name (no time left)"; return; fi
-  local s=$(date +%s)
-  timeout -k 5 "$t" "$@" > "$OUT_DIR/$name.log" 2>&1
-  echo "STEP $name rc=$? $(( $(date +%s) - s ))s"
-}
-mkdir -p "$OUT_DIR"
-(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
- python3 -c "import sys,torch,triton;print(sys.version.split()[0],torch.__version__,triton.__version__)"
- git rev-parse HEAD 2>/dev/null; date -u) > "$OUT_DIR/env.txt" 2>&1
+source "$(dirname "$0")/suite_steps.sh"  # T0, step, the output folder and env.txt
 step launch 5 python3 benchmarks/launch_overhead.py
 step routing 35 python3 benchmarks/routing.py --variants torch triton_percall triton --tune \
   --grid "prefix_unroll=1;suffix_unroll=2;suffix_unroll=4" --out "$OUT_DIR"

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 
@@ -15,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from routing import SHAPES, make_problem, parse_grid, run_once  # noqa: E402
+from routing import SHAPES, cuda_kernel_totals, make_problem, parse_grid, run_once  # noqa: E402
 
 CONFIGS = [  # the defaults first (full_routing.DEFAULT_*), then alternatives
     dict(),
@@ -32,15 +31,7 @@ def kernel_table(prob, options):
     end.record()
     torch.cuda.synchronize()
     wall = start.elapsed_time(end)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        run_once(prob, "triton", options=options)
-        torch.cuda.synchronize()
-    totals, counts = collections.Counter(), collections.Counter()
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            name = evt.name[:60]
-            totals[name] += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
-            counts[name] += 1
+    totals, counts = cuda_kernel_totals(lambda: run_once(prob, "triton", options=options))
     return wall, totals, counts
 
 
@@ -69,10 +60,10 @@ def main():
         prob = make_problem(d, L, H, B, T, torch.bfloat16)
         for options in configs:
             wall, totals, counts = kernel_table(prob, options)
-            busy = sum(totals.values()) / 1e3
+            busy = sum(totals.values())
             print(f"\n{shape} {options}: wall {wall:.2f} ms, kernels {busy:.2f} ms")
-            for name, us in totals.most_common(10):
-                print(f"  {us / 1e3:8.2f} ms  x{counts[name]:4d}  {name}")
+            for name, ms in totals.most_common(10):
+                print(f"  {ms:8.2f} ms  x{counts[name]:4d}  {name}")
         del prob
         torch.cuda.empty_cache()
     print_registers()

@@ -9,7 +9,6 @@ the number of kernel launches, and the top kernels by time.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 
@@ -17,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from routing import cuda_kernel_totals  # noqa: E402
 from train_step import MICROBATCH, setup, train_step  # noqa: E402
 
 
@@ -33,14 +33,7 @@ def profile(size: str, method: str, top: int) -> None:
     end.record()
     torch.cuda.synchronize()
     wall = start.elapsed_time(end)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        train_step(model, opt, method, batch)
-        torch.cuda.synchronize()
-    totals, counts = collections.Counter(), collections.Counter()
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            totals[evt.name[:70]] += evt.device_time_total / 1e3
-            counts[evt.name[:70]] += 1
+    totals, counts = cuda_kernel_totals(lambda: train_step(model, opt, method, batch), width=70)
     busy = sum(totals.values())
     routing = sum(v for k, v in totals.items() if k.startswith("_") and "kernel" in k)
     print(f"\n{size} {method}: wall {wall:.1f} ms, GPU busy {busy:.1f} ms, idle {wall - busy:.1f} ms, "

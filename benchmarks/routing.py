@@ -148,6 +148,23 @@ def fresh_leaves(prob):
         prob["q"].detach().requires_grad_(), prob["g"].detach().requires_grad_()]
 
 
+def cuda_kernel_totals(fn, width=60):
+    """(ms, launches) per CUDA kernel name (the first `width` characters) of one fn() under torch.profiler,
+    as two Counters."""
+    import collections
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals, counts = collections.Counter(), collections.Counter()
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            us = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+            totals[evt.name[:width]] += us / 1e3
+            counts[evt.name[:width]] += 1
+    return totals, counts
+
+
 def cuda_event_times(fn, reps, prepare=lambda: None):
     """(median, all) of fn(prepare()) timed with CUDA events, prepare() outside the timed span."""
     torch.cuda.synchronize()

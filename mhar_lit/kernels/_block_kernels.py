@@ -22,8 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mhar_lit.kernels._routing_kernels import (_dout_rows, _full_row_tile, _mma_operand, _mma_weights,
-                                               _online_update, _rsqrt_mean_square, _to_storage)
+from mhar_lit.kernels._routing_kernels import (_dout_rows, _full_row_tile, _online_update, _query_grad_row,
+                                               _query_grad_store, _query_grad_tile, _rsqrt_mean_square, _to_storage)
 
 
 @triton.jit(do_not_specialize=["site", "n_blk", "span", "add_prev"])
@@ -193,19 +193,8 @@ def _block_query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, NB, span, P, D, 
     partial sum (read by site rho only, dl slot NB). One program: a token block, a head and a K_B-wide column
     slice; per row a dl [sites, BLOCK_T] @ kr [BLOCK_T, K_B] tensor-core product; its partial a[pid_t, sites,
     columns] is summed over token blocks on the host in a fixed order (as _query_grad_kernel)."""
-    pid_t = tl.program_id(0)
     h = tl.program_id(1)
-    k0 = tl.program_id(2) * K_B
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_s = tl.arange(0, S_P)
-    offs_b = tl.arange(0, K_B)
-    mask_t = offs_t < P
-    mask_b = k0 + offs_b < K
-    col = h * K + k0 + offs_b
-    tile = offs_t[:, None].to(tl.int64) * D + col[None, :]
-    mask = mask_t[:, None] & mask_b[None, :]
-    row_stride = (tl.full([], 0, tl.int64) + P) * D
-    store_ty = rows_ptr.dtype.element_ty
+    offs_t, mask_t, offs_s, col, mask_b, tile, mask = _query_grad_tile(P, D, K, BLOCK_T, K_B, S_P)
     a = tl.zeros([S_P, K_B], ACC)
     # each site's dl rows of head h, slot 0 (sm_90: 151 -> 138 registers at 350M, 1B's 8-byte spill gone)
     dl_sites = dl_ptr + h * P + (offs_s.to(tl.int64) * (NB + 1) * H * P)[:, None] + offs_t[None, :]
@@ -214,9 +203,5 @@ def _block_query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, NB, span, P, D, 
         slot = tl.where(is_block, rho // span, NB)
         mask_s = (offs_s >= rho) & (offs_s < N) & (is_block | (offs_s == rho))
         dl = tl.load(dl_sites + slot * H * P, mask=mask_s[:, None] & mask_t[None, :], other=0.0)
-        r = tl.load(r_ptr + rho * P + offs_t, mask=mask_t, other=0.0).to(ACC)
-        v = tl.load(rows_ptr + rho * row_stride + tile, mask=mask, other=0.0).to(ACC)
-        kr = _mma_operand(_to_storage(v * r[:, None], store_ty), store_ty, ACC)  # exact in the storage dtype
-        a = _mma_weights(dl, kr, a, store_ty, ACC, PREC)
-    tl.store(a_ptr + (pid_t * N + offs_s[:, None]).to(tl.int64) * D + col[None, :], a,
-             mask=(offs_s[:, None] < N) & mask_b[None, :])
+        a = _query_grad_row(rows_ptr, r_ptr, rho, dl, a, offs_t, mask_t, tile, mask, P, D, ACC, PREC)
+    _query_grad_store(a_ptr, a, N, offs_s, col, mask_b, D)

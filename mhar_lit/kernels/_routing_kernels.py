@@ -981,28 +981,46 @@ def _query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, P, D, H, K,
     backward (dq = A g, dg = A q on the host). One program: a token block, a head and a K_B-wide column
     slice; over the sources j it accumulates dl_j^T [sites, BLOCK_T] @ kr_j [BLOCK_T, K_B] on tensor cores
     and writes its partial a[pid_t, sites, columns] (summed over token blocks on the host, fixed order)."""
-    pid_t = tl.program_id(0)
     h = tl.program_id(1)
-    k0 = tl.program_id(2) * K_B
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_s = tl.arange(0, S_P)
-    offs_b = tl.arange(0, K_B)
-    mask_t = offs_t < P
-    mask_b = k0 + offs_b < K
-    col = h * K + k0 + offs_b
-    tile = offs_t[:, None].to(tl.int64) * D + col[None, :]
-    mask = mask_t[:, None] & mask_b[None, :]
-    row_stride = (tl.full([], 0, tl.int64) + P) * D
-    store_ty = rows_ptr.dtype.element_ty
+    offs_t, mask_t, offs_s, col, mask_b, tile, mask = _query_grad_tile(P, D, K, BLOCK_T, K_B, S_P)
     a = tl.zeros([S_P, K_B], ACC)
     for j in range(0, N):
         mask_s = (offs_s >= j) & (offs_s < N)
         pair = _pair_row(j, tl.maximum(offs_s, j), N)
         dl = tl.load(dl_ptr + (pair[:, None] * H + h) * P + offs_t[None, :],
                      mask=mask_s[:, None] & mask_t[None, :], other=0.0)  # [S_P, BLOCK_T]
-        r = tl.load(r_ptr + j * P + offs_t, mask=mask_t, other=0.0).to(ACC)
-        v = tl.load(rows_ptr + j * row_stride + tile, mask=mask, other=0.0).to(ACC)
-        kr = _mma_operand(_to_storage(v * r[:, None], store_ty), store_ty, ACC)  # exact in the storage dtype
-        a = _mma_weights(dl, kr, a, store_ty, ACC, PREC)
-    tl.store(a_ptr + (pid_t * N + offs_s[:, None]).to(tl.int64) * D + col[None, :], a,
+        a = _query_grad_row(rows_ptr, r_ptr, j, dl, a, offs_t, mask_t, tile, mask, P, D, ACC, PREC)
+    _query_grad_store(a_ptr, a, N, offs_s, col, mask_b, D)
+
+
+@triton.jit
+def _query_grad_tile(P, D, K, BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr):
+    """A dq/dg program's token block (axis 0) and K_B-wide column slice (axis 2) of head program_id(1):
+    offsets and masks of its [BLOCK_T, K_B] row tile and its sites offs_s."""
+    k0 = tl.program_id(2) * K_B
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_b = tl.arange(0, K_B)
+    mask_t = offs_t < P
+    mask_b = k0 + offs_b < K
+    col = tl.program_id(1) * K + k0 + offs_b
+    tile = offs_t[:, None].to(tl.int64) * D + col[None, :]
+    return offs_t, mask_t, tl.arange(0, S_P), col, mask_b, tile, mask_t[:, None] & mask_b[None, :]
+
+
+@triton.jit
+def _query_grad_row(rows_ptr, r_ptr, row, dl, a, offs_t, mask_t, tile, mask, P, D, ACC: tl.constexpr,
+                    PREC: tl.constexpr):
+    """a + dl [sites, BLOCK_T] @ kr [BLOCK_T, K_B] of buffer row `row` on tensor cores."""
+    store_ty = rows_ptr.dtype.element_ty
+    row_stride = (tl.full([], 0, tl.int64) + P) * D
+    r = tl.load(r_ptr + row * P + offs_t, mask=mask_t, other=0.0).to(ACC)
+    v = tl.load(rows_ptr + row * row_stride + tile, mask=mask, other=0.0).to(ACC)
+    kr = _mma_operand(_to_storage(v * r[:, None], store_ty), store_ty, ACC)  # exact in the storage dtype
+    return _mma_weights(dl, kr, a, store_ty, ACC, PREC)
+
+
+@triton.jit
+def _query_grad_store(a_ptr, a, N, offs_s, col, mask_b, D):
+    """This program's partial a [sites, columns] into a[token block, sites, columns]."""
+    tl.store(a_ptr + (tl.program_id(0) * N + offs_s[:, None]).to(tl.int64) * D + col[None, :], a,
              mask=(offs_s[:, None] < N) & mask_b[None, :])

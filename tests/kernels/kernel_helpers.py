@@ -169,3 +169,23 @@ def permuted_within_heads(problem, heads, gen):
     inv = torch.argsort(perm)
     moved = (emb[..., perm], q[:, perm], g[:, perm], [m[perm][:, perm] for m in mats], dout[..., perm])
     return moved, lambda r: (r[0][..., inv], r[1][..., inv], r[2][:, inv], r[3][:, inv])
+
+
+def misaligned(x):
+    """x's values in a view whose data pointer is 4 bytes past an aligned one."""
+    buf = torch.empty(x.numel() + 1, dtype=x.dtype)
+    view = buf[1:].view(x.shape)
+    view.copy_(x)
+    return view
+
+
+class ShiftToMisaligned(torch.autograd.Function):
+    """Identity whose forward output and backward gradient are misaligned views (see misaligned)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return misaligned(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return misaligned(grad)

@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_helpers import (block_mode_output_and_grads, block_mode_problem, block_stack_loss,  # noqa: E402
-                            fresh_generator, leaf, permuted_within_heads, rel, torch_block_sites)
+from kernel_helpers import (ShiftToMisaligned, block_mode_output_and_grads, block_mode_problem,  # noqa: E402
+                            block_stack_loss, fresh_generator, leaf, permuted_within_heads, rel, torch_block_sites)
 
 from mhar_lit.kernels import launch as fast_launch  # noqa: E402
 from mhar_lit.kernels.block_routing import BlockRouting  # noqa: E402
@@ -183,23 +183,6 @@ def test_unused_final_output_raises():
     with pytest.raises(RuntimeError, match="reverse order"):
         x1.sum().backward()
 
-def _misaligned(x):  # same values, data pointer 4 bytes past an aligned one
-    buf = torch.empty(x.numel() + 1, dtype=x.dtype)
-    view = buf[1:].view(x.shape)
-    view.copy_(x)
-    return view
-
-
-class _Shift(torch.autograd.Function):  # identity whose forward output and backward gradient are misaligned
-    @staticmethod
-    def forward(ctx, x):
-        return _misaligned(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _misaligned(grad)
-
-
 def test_misaligned_douts_route_the_same(monkeypatch):
     """Output gradients off a 16-byte boundary: the block pass reads the douts through an address table as
     16-byte aligned rows (tl.multiple_of, which the interpreter ignores), so BlockRouting must enter an aligned
@@ -224,7 +207,8 @@ def test_misaligned_douts_route_the_same(monkeypatch):
 
         def site_fn(s, new):
             out = routing.route(s, new, *((qq, gg) if s == 0 else (None, None)))
-            return _Shift.apply(out) if shift and s % 2 == 1 else out  # its backward hands a misaligned dout
+            # its backward hands the routing a misaligned dout
+            return ShiftToMisaligned.apply(out) if shift and s % 2 == 1 else out
 
         outputs = []
         loss = block_stack_loss(site_fn, e, [m.float() for m in mats], dout, outputs)

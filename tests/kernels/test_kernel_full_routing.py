@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_helpers import (fresh_generator, full_mode_loss, full_mode_output_and_grads,  # noqa: E402
-                            full_mode_problem, leaf, rel)
+from kernel_helpers import (ShiftToMisaligned, fresh_generator, full_mode_loss,  # noqa: E402
+                            full_mode_output_and_grads, full_mode_problem, leaf, rel)
 
 from mhar_lit.config import ModelConfig  # noqa: E402
 from mhar_lit.kernels import launch as fast_launch  # noqa: E402
@@ -302,21 +302,6 @@ def test_misaligned_outside_tensors_route_the_same(column_impl):
     gen = fresh_generator()
     emb, q, g, mats, dout = full_mode_problem(6, 1, 3, 8, gen)
 
-    def misaligned(x):  # same values, data pointer 4 bytes past an aligned one
-        buf = torch.empty(x.numel() + 1, dtype=x.dtype)
-        view = buf[1:].view(x.shape)
-        view.copy_(x)
-        return view
-
-    class Shift(torch.autograd.Function):  # identity whose forward output and backward grad are misaligned
-        @staticmethod
-        def forward(ctx, x):
-            return misaligned(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return misaligned(grad)
-
     results = []
     for shift in (False, True):
         e, qq, gg = leaf(emb.float(), q.float(), g.float())
@@ -325,8 +310,9 @@ def test_misaligned_outside_tensors_route_the_same(column_impl):
         def site_fn(s, src):
             odd = shift and s % 2 == 1
             params = (qq, gg) if s == 0 else (None, None)
-            out = routing.route(s, Shift.apply(src[-1]) if odd else src[-1], *params)
-            return Shift.apply(out) if odd else out  # its backward hands the routing a misaligned dout
+            out = routing.route(s, ShiftToMisaligned.apply(src[-1]) if odd else src[-1], *params)
+            # its backward hands the routing a misaligned dout
+            return ShiftToMisaligned.apply(out) if odd else out
 
         outputs = []
         loss = full_mode_loss(site_fn, e, qq, gg, [m.float() for m in mats], dout, outputs)
