@@ -22,8 +22,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mhar_lit.kernels._routing_kernels import (_dout_rows, _full_row_tile, _online_update, _query_grad_row,
-                                               _query_grad_store, _query_grad_tile, _rsqrt_mean_square, _to_storage)
+from mhar_lit.kernels._routing_kernels import (_dout_rows, _full_row_tile, _online_update, _pair_grads,
+                                               _query_grad_row, _query_grad_store, _query_grad_tile,
+                                               _rsqrt_mean_square, _to_storage)
 
 
 @triton.jit(do_not_specialize=["site", "n_blk", "span", "add_prev"])
@@ -96,17 +97,6 @@ def _online_update_if(v, r, valid, w_HK, m, l, acc, store_ty: tl.constexpr):
 def _dl_offsets(site, slot, NB, P, H, zth):
     """Offsets of the dl table [n, NB + 1, H, P] for one (site, slot) and a tile's zth = h * P + t offsets."""
     return ((tl.full([], 0, tl.int64) + site) * (NB + 1) + slot) * H * P + zth
-
-
-@triton.jit
-def _pair_grads(v, kr, r, dout, w_HK, lse, S):
-    """One (site, row) pair on a tile: the row's gradient before the RMSNorm coupling (value and key path:
-    alpha dout + r dl w), the pair's dl [BLOCK_T, H_P] and its coupling sum_h dl logit [BLOCK_T]."""
-    logit = tl.sum(kr * w_HK[None, :, :], axis=2)
-    alpha = tl.exp(logit - lse)
-    dl = alpha * (tl.sum(dout * v, axis=2) - S)
-    dv = alpha[:, :, None] * dout + (dl * r[:, None])[:, :, None] * w_HK[None, :, :]
-    return dv, dl, tl.sum(dl * logit, axis=1)
 
 
 @triton.jit(do_not_specialize=["site", "slot", "own_partial", "has_chain"])

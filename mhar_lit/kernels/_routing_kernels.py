@@ -396,17 +396,22 @@ def _merge_fwd_kernel(
 
 
 @triton.jit
-def _pair_bwd(v, kr, r, dout, w_HK, lse, S):
-    """Backward of one (site, source) pair on full-row tiles: the source gradient before the RMSNorm
-    coupling (value path + per-head key path), the coupling c [BLOCK_T] and the pair's A tile [H_P, K_P]."""
+def _pair_grads(v, kr, r, dout, w_HK, lse, S):
+    """One (site, source) pair on full-row tiles: the source gradient before the RMSNorm coupling (value path +
+    per-head key path: alpha dout + r dl w), the pair's dl [BLOCK_T, H_P] and its coupling sum_h dl logit
+    [BLOCK_T]."""
     logit = tl.sum(kr * w_HK[None, :, :], axis=2)  # [BLOCK_T, H_P]
     alpha = tl.exp(logit - lse)
-    gdot = tl.sum(dout * v, axis=2)
-    dl = alpha * (gdot - S)
+    dl = alpha * (tl.sum(dout * v, axis=2) - S)
     dv = alpha[:, :, None] * dout + (dl * r[:, None])[:, :, None] * w_HK[None, :, :]
-    c = tl.sum(dl * logit, axis=1)
-    a_HK = tl.sum(dl[:, :, None] * kr, axis=0)
-    return dv, c, a_HK
+    return dv, dl, tl.sum(dl * logit, axis=1)
+
+
+@triton.jit
+def _pair_bwd(v, kr, r, dout, w_HK, lse, S):
+    """_pair_grads with the pair's A tile [H_P, K_P] (sum over tokens of dl kr) in place of dl."""
+    dv, dl, c = _pair_grads(v, kr, r, dout, w_HK, lse, S)
+    return dv, c, tl.sum(dl[:, :, None] * kr, axis=0)
 
 
 @triton.jit(do_not_specialize=["n_rows"])

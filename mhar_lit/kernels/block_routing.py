@@ -215,7 +215,7 @@ class BlockRouting:
             bw["next_dsrc"] if has_chain else dsrc_PD, dsrc_PD, site, site - s0, int(not start), int(has_chain),
             blocks, *dims, dout.data_ptr(),
             BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
-            num_warps=self.num_warps, key=(self._key, aligned(dout), aligned(out_BTD)),
+            num_warps=self.num_warps, key=(self._key, aligned(out_BTD)),  # dout: aligned (backward_site)
         )
         if not start:
             return
