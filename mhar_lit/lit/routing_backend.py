@@ -53,7 +53,11 @@ def compare_backends(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[st
     finally:
         residual.backend = original
     rel = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-    return {"rel_err": rel, "torch_forward_ms": torch_ms, "triton_forward_ms": triton_ms}
+    result = {"rel_err": rel, "torch_forward_ms": torch_ms, "triton_forward_ms": triton_ms}
+    bad = [name for name, logits in (("reference", ref), ("triton", out)) if not torch.isfinite(logits).all()]
+    if bad:  # NaN compares False with any tolerance: name it, so the check fails instead of passing
+        result["error"] = f"non-finite logits from {' and '.join(bad)}"
+    return result
 
 
 def is_sharded(trainer: L.Trainer) -> bool:
@@ -79,6 +83,10 @@ class RoutingBackend(L.Callback):
                  fallback: bool = False, check_sequences: int = 1) -> None:
         if backend not in CHOICES:
             raise ValueError(f"routing backend must be one of {CHOICES}, got {backend!r}")
+        if tolerance is not None and not tolerance >= 0:
+            raise ValueError(f"routing_backend.tolerance must be >= 0 (or null for the default), got {tolerance}")
+        if check_sequences < 1:
+            raise ValueError(f"routing_backend.check_sequences must be >= 1, got {check_sequences}")
         self.backend, self.check, self.tolerance = backend, check, tolerance
         self.fallback, self.check_sequences = fallback, check_sequences
         self._pending_check = False
@@ -114,16 +122,18 @@ class RoutingBackend(L.Callback):
             self._log(trainer)
             return
         dtype = next(pl_module.model.parameters()).dtype
-        tolerance = self.tolerance or (1e-4 if dtype == torch.float32 else 5e-2)
+        tolerance = self.tolerance if self.tolerance is not None else (1e-4 if dtype == torch.float32 else 5e-2)
         try:
             result = compare_backends(pl_module.model, batch[: self.check_sequences, :-1])
         except Exception as err:  # a kernel that cannot run is a failed check, subject to `fallback`
             result = {"rel_err": float("inf"), "error": f"{type(err).__name__}: {err}"}
         self.report.update({f"routing_check_{k}": v for k, v in result.items()})
         self.report["routing_check_tolerance"] = tolerance
-        if result["rel_err"] > tolerance:
+        if "error" in result or not result["rel_err"] <= tolerance:  # `not <=`: a NaN error fails too
             message = (f"Triton routing differs from the reference on the first batch: relative error "
-                       f"{result['rel_err']:.3g} > tolerance {tolerance:.3g} {result.get('error', '')}")
+                       f"{result['rel_err']:.3g}, tolerance {tolerance:.3g}")
+            if "error" in result:
+                message += f" ({result['error']})"
             if not self.fallback:
                 raise RuntimeError(message + " (set routing_backend.fallback=true to continue on the reference)")
             log.warning("%s; falling back to the PyTorch reference as configured", message)

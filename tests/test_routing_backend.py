@@ -1,0 +1,131 @@
+"""The Triton routing callback in real CPU fits (Triton's interpreter runs the kernels on CPU tensors).
+
+What must hold (issue 4): the backend is chosen at setup; with Triton chosen, the first training batch is run
+through both backends and the error logged with the backend; a failed check is an error unless a fallback is
+configured, and a fallback says so (warning and logged tag); nothing is switched silently.
+"""
+
+import logging
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import Logger
+
+from mhar_lit.lit.module import LanguageModel
+from mhar_lit.lit.routing_backend import RoutingBackend
+from mhar_lit.residual import BlockAttnRes, FullAttnRes, StandardResidual
+
+
+class _CaptureLogger(Logger):
+    def __init__(self):
+        super().__init__()
+        self.metrics, self.params = {}, {}
+
+    @property
+    def name(self):
+        return "capture"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        self.params.update(params)
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.update(metrics)
+
+
+def _fit(residual, callback, steps=2):
+    torch.manual_seed(0)
+    module = LanguageModel(size="tiny", residual=residual, warmup_steps=1)
+    logger = _CaptureLogger()
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=logger, callbacks=[callback],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0)
+    data = torch.randint(0, 256, (8, 17))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+    return module, logger
+
+
+def _perturb_triton_inputs(monkeypatch, value):
+    """Makes FullAttnRes's Triton path wrong (or NaN) while leaving the reference alone."""
+    original = FullAttnRes.sublayer_input
+
+    def sublayer_input(self, state, site):
+        out = original(self, state, site)
+        if self.backend != "triton":
+            return out
+        return out + value if value == value else torch.full_like(out, float("nan"))
+
+    monkeypatch.setattr(FullAttnRes, "sublayer_input", sublayer_input)
+
+
+def test_auto_resolves_to_the_reference_on_cpu_and_runs_no_check():
+    callback = RoutingBackend()
+    module, logger = _fit(FullAttnRes(heads=4), callback)
+    assert module.model.residual.backend == "torch"
+    assert callback.report == {"routing_backend": "torch"} and logger.params["routing_backend"] == "torch"
+    assert not any(k.startswith("routing_check") for k in logger.metrics)
+
+
+@pytest.mark.parametrize("residual", [lambda: FullAttnRes(heads=4), lambda: BlockAttnRes(heads=2, layers_per_block=1)],
+                         ids=["full", "block"])
+def test_triton_is_checked_on_the_first_batch_and_logged(residual):
+    callback = RoutingBackend(backend="triton")
+    module, logger = _fit(residual(), callback)
+    assert module.model.residual.backend == "triton"
+    err = logger.metrics["routing_check_rel_err"]
+    # fp32 parameters: both backends compute in fp32 and differ by summation order only (kernel tests: <= 1e-5)
+    assert 0 <= err <= 1e-5, err
+    assert logger.metrics["routing_check_tolerance"] == 1e-4
+    assert logger.metrics["routing_check_torch_forward_ms"] > 0 and logger.metrics["routing_check_triton_forward_ms"] > 0
+    assert logger.params["routing_backend"] == "triton"
+
+
+@pytest.mark.parametrize("value", [1e-2, float("nan")], ids=["wrong", "nan"])
+def test_failed_check_is_an_error_without_fallback(monkeypatch, value):
+    _perturb_triton_inputs(monkeypatch, value)
+    with pytest.raises(RuntimeError, match="Triton routing differs from the reference.*fallback=true"):
+        _fit(FullAttnRes(heads=4), RoutingBackend(backend="triton"))
+
+
+@pytest.mark.parametrize("value", [1e-2, float("nan")], ids=["wrong", "nan"])
+def test_failed_check_with_fallback_continues_on_the_reference_and_says_so(monkeypatch, caplog, value):
+    _perturb_triton_inputs(monkeypatch, value)
+    callback = RoutingBackend(backend="triton", fallback=True)
+    with caplog.at_level(logging.WARNING, logger="mhar_lit.lit.routing_backend"):
+        module, logger = _fit(FullAttnRes(heads=4), callback)
+    assert module.model.residual.backend == "torch"
+    assert logger.params["routing_backend"] == "torch (fallback after failed check)"
+    assert "falling back to the PyTorch reference" in caplog.text
+    assert torch.isfinite(torch.tensor(float(module.trainer.callback_metrics["train/loss"])))
+
+
+def test_kernel_error_is_a_failed_check(monkeypatch):
+    def broken(self, state, site):
+        if self.backend == "triton":
+            raise ValueError("kernel exploded")
+        return original(self, state, site)
+
+    original = FullAttnRes.sublayer_input
+    monkeypatch.setattr(FullAttnRes, "sublayer_input", broken)
+    with pytest.raises(RuntimeError, match="kernel exploded"):
+        _fit(FullAttnRes(heads=4), RoutingBackend(backend="triton"))
+
+
+def test_zero_tolerance_is_kept_and_bad_options_are_refused():
+    assert RoutingBackend(backend="triton", tolerance=0.0).tolerance == 0.0
+    with pytest.raises(ValueError, match="routing backend must be one of"):
+        RoutingBackend(backend="cuda")
+    with pytest.raises(ValueError, match="tolerance"):
+        RoutingBackend(tolerance=-1.0)
+    with pytest.raises(ValueError, match="check_sequences"):
+        RoutingBackend(check_sequences=0)
+
+
+def test_strategies_without_routing_are_left_alone():
+    callback = RoutingBackend(backend="triton")
+    module, logger = _fit(StandardResidual(), callback)
+    assert callback.report == {} and "routing_backend" not in logger.params
