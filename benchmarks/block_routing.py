@@ -7,11 +7,14 @@ The strategy object itself is driven (begin / sublayer_input / sublayer_output /
 replaced as in benchmarks/routing.py by precomputed outputs tied to the site outputs (_Tie), so the partial
 sums, block boundaries and autograd order are the model's. Variants:
   torch           BlockAttnRes(backend="torch"): stacked sources, the eager PyTorch reference
+  torch_two_phase BlockAttnRes(backend="torch", two_phase=True): SPEC D's two-phase computation in PyTorch
   triton_percall  BlockAttnRes(backend="triton", triton_shared_buffer=False): per-call kernel on a stack
   triton          BlockAttnRes(backend="triton"): BlockRouting, one shared row buffer (--configs: its kernels'
                   warps x tile elements x unroll)
 Every variant and config is first checked on the GPU against the fp32 reference (fp32 and bf16 storage, fewer
-tokens). Times: CUDA events after warm-up, medians; --graph also replays each triton config from a CUDA graph
+tokens). Times: CUDA events after warm-up, medians (on a machine without CUDA: wall-clock medians of the torch
+variants, with --tokens to shrink the microbatch); --forward-only times the forward alone under no_grad (the
+inference case two_phase is for); --graph also replays each triton config from a CUDA graph
 (kernel time without host launch cost). Bytes: the traffic the shared-buffer kernels move (traffic_bytes),
 for a bandwidth floor. Prints a table last; writes JSON under --out.
 """
@@ -23,7 +26,9 @@ import datetime
 import json
 import os
 import shlex
+import statistics
 import sys
+import time
 
 import torch
 
@@ -40,11 +45,12 @@ BLOCK_LAYERS = {"100M": 2, "350M": 3, "1B": 6, "tiny": 1}  # as benchmarks/train
 
 def make_strategy(shape_name, variant, dtype, config=None):
     d, L, H, _, _ = SHAPES[shape_name]
-    backend = "torch" if variant == "torch" else "triton"
+    backend = "torch" if variant.startswith("torch") else "triton"
     knobs = dict(num_warps=config[0], tile_elements=config[1], unroll=config[2]) if config else {}
     # config None: BlockRouting's defaults
     strat = BlockAttnRes(heads=H, layers_per_block=BLOCK_LAYERS[shape_name], backend=backend,
-                         triton_shared_buffer=variant != "triton_percall", triton_options=knobs)
+                         triton_shared_buffer=variant != "triton_percall", triton_options=knobs,
+                         two_phase=variant == "torch_two_phase")
     strat.bind(ModelConfig(hidden_size=d, num_layers=L, num_heads=H, num_kv_heads=H, vocab_size=16))
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -77,6 +83,16 @@ def run_once(strat, prob):
     return leaves
 
 
+def run_forward(strat, prob):
+    """The forward of every site under no_grad (inference)."""
+    with torch.no_grad():
+        state = strat.begin(prob["ys"][0])
+        for s in range(prob["n"] - 1):
+            strat.sublayer_input(state, s)
+            state = strat.sublayer_output(state, s, prob["ys"][s + 1])
+        return strat.final(state)
+
+
 def grads(strat, leaves):
     return [torch.stack([leaf.grad for leaf in leaves]), strat.query.grad, strat.key_norm.grad]
 
@@ -104,10 +120,18 @@ def _as(prob, dtype):
     return dict(prob, ys=[y.to(dtype) for y in prob["ys"]], douts=[g.to(dtype) for g in prob["douts"]])
 
 
-def time_eager(strat, prob, warmup, reps):
+def time_eager(strat, prob, warmup, reps, forward_only=False):
+    run = (lambda _: run_forward(strat, prob)) if forward_only else (lambda _: run_once(strat, prob))
     for _ in range(warmup):
-        run_once(strat, prob)
-    return cuda_event_times(lambda _: run_once(strat, prob), reps)
+        run(None)
+    if DEVICE == "cuda":
+        return cuda_event_times(run, reps)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run(None)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), times
 
 
 def time_graphed(strat, prob, warmup, reps):
@@ -190,16 +214,20 @@ def main():
     parser.add_argument("--profile", action="store_true", help="also per-kernel CUDA times of each triton config")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=0, help="time on one sequence of this many tokens (0: the "
+                        "shape's microbatch)")
+    parser.add_argument("--forward-only", action="store_true", help="time the forward alone, under no_grad")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     configs = [parse_config(c) for c in args.configs]
     bandwidth = copy_bandwidth()
     results, rows, profiles = [], [], []
     for shape_name in args.shapes:
-        prob = make_problem(shape_name, 0, torch.bfloat16)
+        prob = make_problem(shape_name, args.tokens, torch.bfloat16)
         for variant in args.variants:
             for config in (configs if variant == "triton" else [None]):
-                floor = traffic_bytes(shape_name, 2) / bandwidth * 1e3
+                scale = args.tokens / (SHAPES[shape_name][3] * SHAPES[shape_name][4]) if args.tokens else 1.0
+                floor = scale * traffic_bytes(shape_name, 2) / bandwidth * 1e3
                 label = variant + (f" {config[0]}w/{config[1]}/u{config[2]}" if config else
                                    (" defaults" if variant == "triton" else ""))
                 checked = check(shape_name, variant, config)
@@ -210,13 +238,15 @@ def main():
                     results.append(entry)
                     continue
                 strat = make_strategy(shape_name, variant, torch.bfloat16, config)
-                median, times = time_eager(strat, prob, args.warmup, args.reps) if DEVICE == "cuda" else (0.0, [])
+                timed = DEVICE == "cuda" or variant.startswith("torch")  # the interpreter's times mean nothing
+                median, times = (time_eager(strat, prob, args.warmup, args.reps, args.forward_only) if timed
+                                 else (0.0, []))
                 entry.update(eager_ms=median, eager_times=times)
                 graphed = ""
-                if args.graph and variant == "triton" and DEVICE == "cuda":
+                if args.graph and variant == "triton" and DEVICE == "cuda" and not args.forward_only:
                     entry["graph_ms"], entry["graph_times"] = time_graphed(strat, prob, args.warmup, args.reps)
                     graphed = f"{entry['graph_ms']:.2f}"
-                if args.profile and variant == "triton" and DEVICE == "cuda":
+                if args.profile and variant == "triton" and DEVICE == "cuda" and not args.forward_only:
                     entry["kernels"] = kernel_times(strat, prob)
                     profiles.append((shape_name, label, entry["kernels"]))
                 results.append(entry)
@@ -225,7 +255,8 @@ def main():
                 torch.cuda.empty_cache() if DEVICE == "cuda" else None
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H-%M-%S")
     meta = dict(date=stamp, command=shlex.join(sys.argv), torch=torch.__version__,
-                device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", bandwidth_Bps=bandwidth)
+                device=torch.cuda.get_device_name() if DEVICE == "cuda" else f"cpu ({os.cpu_count()} cores)",
+                bandwidth_Bps=bandwidth, tokens=args.tokens, forward_only=args.forward_only)
     try:
         import triton
         meta["triton"] = triton.__version__

@@ -48,12 +48,18 @@ def _check_route_args(sources: Tensor, query: Tensor, norm_weight: Tensor, heads
     check_heads(width, heads)
 
 
-def routing_keys(sources: Tensor, norm_weight: Tensor, eps: float = 1e-6) -> Tensor:
-    """Keys k_n = round_storage(S_n r(S_n)) * g [N, B, T, D] in the compute dtype; r over the FULL width."""
+def normalized_sources(sources: Tensor, eps: float = 1e-6) -> Tensor:
+    """round_storage(S r(S)) [..., D] in the compute dtype: the keys before the norm weight g."""
     ctype = compute_dtype(sources.dtype)
     v = sources.to(ctype)
     inv_rms = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-    return (v * inv_rms).to(sources.dtype).to(ctype) * norm_weight.to(ctype)
+    return (v * inv_rms).to(sources.dtype).to(ctype)
+
+
+def routing_keys(sources: Tensor, norm_weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """Keys k_n = round_storage(S_n r(S_n)) * g [N, B, T, D] in the compute dtype; r over the FULL width."""
+    normed = normalized_sources(sources, eps)
+    return normed * norm_weight.to(normed.dtype)
 
 
 def routing_logits(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
@@ -77,6 +83,48 @@ def route_reference(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: 
     values = sources.to(weights_NBTH.dtype).view(n, b, t, heads, d // heads)
     mixed_BTHK = (weights_NBTH.unsqueeze(-1) * values).sum(0)
     return mixed_BTHK.reshape(b, t, d).to(sources.dtype)
+
+
+def block_mix(blocks: Tensor, queries: Tensor, norm_weights: Tensor, heads: int, eps: float = 1e-6
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """Phase 1 of Kimi's two-phase block routing (SPEC D): every site of a block against its completed blocks.
+
+    blocks [K, B, T, D] (the embedding and the completed block sums), queries and norm_weights [S, D] of the
+    block's S sites. Each completed block is normalised once (not once per site) and the sites' g is folded into
+    q (w = q g; exact up to fp32 rounding order, SPEC J15). Returns, per site and head, the softmax state over
+    the completed blocks: max m [S, B, T, H], sum of exponentials l [S, B, T, H] and the normalised mix
+    o [S, B, T, D], all in the compute dtype (fp32 for bf16 storage).
+    """
+    k, b, t, d = blocks.shape
+    normed = normalized_sources(blocks, eps).view(k, b, t, heads, d // heads)
+    w_SHK = (queries.to(normed.dtype) * norm_weights.to(normed.dtype)).view(-1, heads, d // heads)
+    logits = torch.einsum("kbthc,shc->skbth", normed, w_SHK)
+    m = logits.amax(dim=1)
+    e = torch.exp(logits - m.unsqueeze(1))
+    l = e.sum(dim=1)  # noqa: E741
+    values = blocks.to(normed.dtype).view(k, b, t, heads, d // heads)
+    o = torch.einsum("skbth,kbthc->sbthc", e, values) / l.unsqueeze(-1)
+    return m, l, o.reshape(-1, b, t, d)
+
+
+def merge_partial(m: Tensor, l: Tensor, o: Tensor, partial: Tensor, query: Tensor, norm_weight: Tensor,  # noqa: E741
+                  heads: int, eps: float = 1e-6) -> Tensor:
+    """Phase 2 (SPEC D): one site's mix over the completed blocks (m, l, o [B, T, H / D] of block_mix) merged
+    with the block's partial sum p [B, T, D] by the online-softmax rule, per head; returns [B, T, D] in the
+    compute dtype (the caller casts to the storage dtype once).
+
+        lam = < w_[h], round(p r(p))_[h] >,  m' = max(m, lam)
+        out = (e^(m - m') l o + e^(lam - m') p) / (e^(m - m') l + e^(lam - m'))
+    """
+    b, t, d = partial.shape
+    normed = normalized_sources(partial, eps).view(b, t, heads, d // heads)
+    w_HK = (query.to(normed.dtype) * norm_weight.to(normed.dtype)).view(heads, d // heads)
+    lam = (normed * w_HK).sum(-1)
+    top = torch.maximum(m, lam)
+    old, new = torch.exp(m - top) * l, torch.exp(lam - top)
+    values = partial.to(normed.dtype).view(b, t, heads, d // heads)
+    mixed = (old.unsqueeze(-1) * o.view(b, t, heads, d // heads) + new.unsqueeze(-1) * values)
+    return (mixed / (old + new).unsqueeze(-1)).reshape(b, t, d)
 
 
 def route(

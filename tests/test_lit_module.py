@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mhar_lit.lit.module import LanguageModel, lr_factor, model_from_checkpoint, strategy_signature
-from mhar_lit.residual import DeltaAttnRes, FullAttnRes, StandardResidual
+from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes, StandardResidual
 
 
 def test_lr_schedule_matches_paper_formula():
@@ -103,9 +103,14 @@ def test_state_dict_holds_each_weight_once():
 
 
 def test_triton_tuning_knobs_do_not_change_checkpoint_identity():
-    a = strategy_signature(FullAttnRes(heads=4, backend="triton", triton_chunk=4, triton_group=8))
+    a = strategy_signature(FullAttnRes(heads=4, backend="triton", triton_chunk=4, triton_group=8,
+                                       triton_options={"suffix_impl": "fma"}))
     b = strategy_signature(FullAttnRes(heads=4, backend="torch", triton_chunk=2, triton_group=4))
     assert a == b and a["options"]["heads"] == 4
+    a = strategy_signature(BlockAttnRes(heads=4, layers_per_block=2, backend="triton", triton_shared_buffer=False,
+                                        triton_options={"num_warps": 4}))
+    b = strategy_signature(BlockAttnRes(heads=4, layers_per_block=2, two_phase=True))
+    assert a == b and a["options"] == {"heads": 4, "layers_per_block": 2, "random_query_init": False, "eps": 1e-6}
 
 
 def test_compare_pairs_only_same_seed_and_lr():

@@ -34,7 +34,8 @@ def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: floa
 
 
 # Strategy options that change speed, not the function: a run may resume with other values.
-RUNTIME_OPTIONS = ("self", "backend", "triton_chunk", "triton_group")
+RUNTIME_OPTIONS = ("self", "backend", "triton_chunk", "triton_group", "triton_options", "triton_shared_buffer",
+                   "two_phase")
 
 
 def strategy_signature(residual: ResidualStrategy) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from mhar_lit.config import ModelConfig
 from mhar_lit.residual.base import ResidualStrategy, is_attention_site, layer_of, register_state_pytree
-from mhar_lit.routing import BACKENDS, check_heads, route, routing_weights
+from mhar_lit.routing import BACKENDS, block_mix, check_heads, merge_partial, route, routing_weights
 
 
 class RoutedResidual(ResidualStrategy):
@@ -173,16 +173,19 @@ class FullAttnRes(RoutedResidual):
 
 @dataclass(eq=False)
 class _BlockState:
-    """Completed block sums (the embedding first) and the running partial sum of the current block."""
+    """Completed block sums (the embedding first) and the running partial sum of the current block; with
+    two_phase, the block's phase-1 softmax state (m, l, o of routing.block_mix) and its first site."""
 
     blocks: list[Tensor]
     partial: Optional[Tensor] = None
+    mix: Optional[tuple[Tensor, Tensor, Tensor]] = None
+    mix_site: int = 0
 
     def sources(self) -> list[Tensor]:
         return self.blocks + ([self.partial] if self.partial is not None else [])
 
 
-register_state_pytree(_BlockState, ("blocks", "partial"))
+register_state_pytree(_BlockState, ("blocks", "partial", "mix"), ("mix_site",))
 
 
 class BlockAttnRes(RoutedResidual):
@@ -195,15 +198,22 @@ class BlockAttnRes(RoutedResidual):
     also forms the partial sums; one launch per site and pass); the order contract of FullAttnRes applies.
     triton_shared_buffer=False keeps the per-call kernel over a stack of the sources per site (for
     comparison; it allows checkpointing that recomputes routing).
+
+    two_phase=True (torch backend) computes the same routing as Kimi's two-phase refactoring (SPEC D): at a
+    block's first site every site of the block is scored against the completed blocks at once (each block
+    normalised and read once per block, not once per site), and each site then merges that softmax state with
+    the block's partial sum. Equal to the direct routing up to fp32 rounding order; it saves a per-site fp32
+    mix [sites, B, T, D] for the backward, so it suits inference and evaluation more than training memory.
     """
 
     def __init__(self, heads: int = 8, layers_per_block: int = 2, backend: str = "torch",
                  random_query_init: bool = False, eps: float = 1e-6, triton_shared_buffer: bool = True,
-                 triton_options: Optional[dict] = None) -> None:
+                 triton_options: Optional[dict] = None, two_phase: bool = False) -> None:
         super().__init__(heads=heads, backend=backend, random_query_init=random_query_init, eps=eps)
         if layers_per_block < 1:
             raise ValueError(f"layers_per_block must be >= 1, got {layers_per_block}")
         self.layers_per_block = layers_per_block
+        self.two_phase = two_phase  # SPEC D's two-phase computation on the torch backend
         self.triton_shared_buffer = triton_shared_buffer  # False: the per-call kernel on stacked sources
         self.triton_options = dict(triton_options or {})  # BlockRouting keywords (num_warps, tile_elements)
 
@@ -227,9 +237,14 @@ class BlockAttnRes(RoutedResidual):
         if isinstance(state, _TritonState):
             return self._triton_route(state, site)
         layer = layer_of(site)
-        if is_attention_site(site) and layer > 0 and layer % self.layers_per_block == 0:
+        block_start = is_attention_site(site) and layer % self.layers_per_block == 0
+        if block_start and layer > 0:
             state.blocks.append(state.partial)  # the previous block is complete
             state.partial = None
+        if self.two_phase and self.backend == "torch":
+            if block_start:
+                self._score_block(state, site)
+            return self._merge(state, site)
         return self.route_sources(state.sources(), site)
 
     def sublayer_output(self, state: _BlockState, site: int, output: Tensor) -> _BlockState:
@@ -242,7 +257,30 @@ class BlockAttnRes(RoutedResidual):
     def final(self, state: _BlockState) -> Tensor:
         if isinstance(state, _TritonState):
             return self._triton_route(state, self.final_site)
+        if self.two_phase and self.backend == "torch":
+            return self._merge(state, self.final_site)
         return self.route_sources(state.sources(), self.final_site)
+
+    def _score_block(self, state: _BlockState, site: int) -> None:
+        """Phase 1 at a block's first site: its sites (and the final site after the last block) are contiguous."""
+        count = 2 * self.layers_per_block + (site + 2 * self.layers_per_block == self.final_site)
+        sites = slice(site, site + count)
+        state.mix = block_mix(torch.stack(state.blocks), self.query[sites], self.key_norm[sites], self.heads, self.eps)
+        state.mix_site = site
+
+    def _merge(self, state: _BlockState, site: int) -> Tensor:
+        """Phase 2: the site's softmax state over the completed blocks merged with the block's partial sum."""
+        sources = state.sources()
+        if self.record_weights:
+            self.record(torch.stack(sources), site)
+        m, l, o = (x[site - state.mix_site] for x in state.mix)  # noqa: E741
+        dtype = sources[0].dtype
+        for source in sources[1:]:
+            dtype = torch.promote_types(dtype, source.dtype)  # as torch.stack in the direct routing
+        if state.partial is None:
+            return o.to(dtype)
+        return merge_partial(m, l, o, state.partial, self.query[site], self.key_norm[site], self.heads,
+                             self.eps).to(dtype)
 
     def _triton_route(self, state: _TritonState, site: int) -> Tensor:
         if state.count != site + 1 or state.pending is None:

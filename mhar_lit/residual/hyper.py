@@ -95,7 +95,8 @@ class HyperConnections(ResidualStrategy):
         dtype = streams_BTnD.dtype
         read, mix, write = (p[site].to(dtype) for p in (self.read, self.mix, self.write))
         if self.variant == "mhar_code":
-            return read.float().softmax(-1).to(dtype), mix.transpose(0, 1), write
+            # softmax in at least fp32 (fp64 stays fp64, as everywhere else in the package)
+            return read.to(torch.promote_types(dtype, torch.float32)).softmax(-1).to(dtype), mix.transpose(0, 1), write
         if self.dynamic:
             normed = _rms_normalise(streams_BTnD, self.eps) * self.stream_norm[site].to(dtype)
             s_a, s_b = self.scale_alpha[site].to(dtype), self.scale_beta[site].to(dtype)
