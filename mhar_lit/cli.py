@@ -61,6 +61,16 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
                     fh.write(text)
 
     class MHARCLI(LightningCLI):
+        def _parse_ckpt_path(self) -> None:
+            """Lightning would load the checkpoint's hyperparameters over the parsed config here, so a resume with
+            another strategy, size or lr would silently train the checkpoint's settings (and load the whole
+            file first, tens of GB at 8B). The config given is what runs; LanguageModel.on_load_checkpoint
+            refuses a checkpoint whose model or strategy differs from it, naming both."""
+
+        def before_instantiate_classes(self) -> None:
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            name_unnamed_mlflow_run(config)
+
         def add_arguments_to_parser(self, parser) -> None:
             parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
             parser.add_lightning_class_args(SpeedMonitor, "speed")
@@ -94,12 +104,31 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
     )
 
 
+def name_unnamed_mlflow_run(config) -> None:
+    """Give an MLflow run without a run_name one of method, size and time. MLflow's own random names come from
+    the global `random`, which seed_everything has just seeded: every run of a config got the same name."""
+    import datetime
+    import secrets
+
+    logger = config.get("trainer", {}).get("logger")
+    if not (hasattr(logger, "get") and str(logger.get("class_path", "")).endswith("MLFlowLogger")):
+        return
+    init_args = logger.get("init_args")
+    if init_args is None or init_args.get("run_name") or init_args.get("run_id"):
+        return
+    residual = config.get("model", {}).get("residual")
+    method = str(residual.get("class_path", "")).rsplit(".", 1)[-1] if hasattr(residual, "get") else ""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    parts = [method or "StandardResidual", str(config.get("model", {}).get("size", "")), stamp, secrets.token_hex(2)]
+    init_args["run_name"] = "-".join(p for p in parts if p)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in TOOLS:
-        module_name, func_name = TOOLS[argv[0]].split(":")
-        sys.exit(getattr(importlib.import_module(module_name), func_name)(argv[1:]) or 0)
-    build_cli(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words and words[0] in TOOLS:
+        module_name, func_name = TOOLS[words[0]].split(":")
+        sys.exit(getattr(importlib.import_module(module_name), func_name)(words[1:]) or 0)
+    build_cli(argv)  # None: LightningCLI reads sys.argv itself (given sys.argv[1:] as args, it warns)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -95,14 +96,15 @@ def test_fit_tracks_in_mlflow_and_resume_reproduces_losses(tmp_path, monkeypatch
     assert sorted(full) == list(range(1, 9))
     assert full[8] < full[1]
 
-    first_cli, first = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "4"))
+    # 6 steps with validation (and ModelCheckpoint's save) every 4: last.ckpt must still hold step 6
+    first_cli, first = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "6"))
     ckpt = first_cli.trainer.checkpoint_callback.last_model_path
-    assert os.path.isfile(ckpt)
-    _, resumed = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "8"), ckpt_path=ckpt)
-    assert sorted(resumed) == [5, 6, 7, 8]
-    for step in range(1, 5):
+    assert os.path.isfile(ckpt) and torch.load(ckpt, weights_only=False)["global_step"] == 6
+    resumed_cli, resumed = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "8"), ckpt_path=ckpt)
+    assert sorted(resumed) == [7, 8]
+    for step in range(1, 7):
         assert first[step] == pytest.approx(full[step], rel=1e-6, abs=1e-6), step
-    for step in range(5, 9):
+    for step in range(7, 9):
         assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-6), step
 
     from mlflow.tracking import MlflowClient
@@ -124,6 +126,13 @@ def test_fit_tracks_in_mlflow_and_resume_reproduces_losses(tmp_path, monkeypatch
     assert any(k.startswith("routing/entropy/site004_h3") for k in run.data.metrics)
     # Every run gets its own checkpoint directory: a new fit never overwrites an earlier run's files.
     assert full_cli.trainer.checkpoint_callback.dirpath != first_cli.trainer.checkpoint_callback.dirpath
+    # A resume is a new run linked to the one it continues; unnamed runs get distinct names (MLflow's random
+    # names repeat under seed_everything).
+    resumed_run = client.get_run(resumed_cli.trainer.logger.run_id)
+    assert resumed_run.data.tags["resumed_from_run"] == first_cli.trainer.logger.run_id
+    assert resumed_run.data.tags["resumed_from_checkpoint"] == os.path.abspath(ckpt)
+    names = [client.get_run(c.trainer.logger.run_id).info.run_name for c in (full_cli, first_cli, resumed_cli)]
+    assert len(set(names)) == 3 and all(n.startswith("FullAttnRes-tiny-") for n in names), names
 
 
 def test_resume_from_another_strategy_is_refused(tmp_path, monkeypatch):
@@ -132,6 +141,33 @@ def test_resume_from_another_strategy_is_refused(tmp_path, monkeypatch):
     ckpt = first_cli.trainer.checkpoint_callback.last_model_path
     with pytest.raises(ValueError, match="checkpoint residual does not match this run"):
         _fit(_tiny_args(tmp_path, "--trainer.max_steps", "4", "--model.residual.init_args.heads", "2"), ckpt_path=ckpt)
+
+
+def test_real_fit_subcommand_refuses_a_checkpoint_of_other_settings(tmp_path, monkeypatch):
+    """`fit --ckpt_path` through LightningCLI's own subcommand path: the config given is what runs, and a
+    checkpoint of another strategy is refused (Lightning's default would load the checkpoint's hyperparameters
+    over the config and silently train those)."""
+    monkeypatch.chdir(tmp_path)
+    first_cli, _ = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "2"))
+    ckpt = first_cli.trainer.checkpoint_callback.last_model_path
+    with pytest.raises(ValueError, match="checkpoint residual does not match this run"):
+        build_cli(["fit", *_tiny_args(tmp_path, "--trainer.max_steps", "4", "--model.residual.init_args.heads", "2"),
+                   "--ckpt_path", ckpt])
+    with pytest.raises(ValueError, match="checkpoint model_config does not match this run"):
+        build_cli(["fit", *_tiny_args(tmp_path, "--trainer.max_steps", "4", "--model.size", "tiny-4l"),
+                   "--ckpt_path", ckpt])
+
+
+def test_test_and_predict_use_the_held_out_split(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli, _ = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "2"))
+    tested = cli.trainer.test(cli.model, cli.datamodule)
+    assert tested[0]["test/loss"] > 0 and tested[0]["test/ppl"] == pytest.approx(math.exp(tested[0]["test/loss"]), rel=1e-4)
+    losses = torch.cat(cli.trainer.predict(cli.model, cli.datamodule))
+    assert losses.dim() == 1 and len(losses) > 0 and bool(torch.isfinite(losses).all())
+    cli.datamodule.val_dataset = None
+    with pytest.raises(Exception, match="needs a held-out split"):
+        cli.trainer.test(cli.model, cli.datamodule)
 
 
 def _cli_error(args, capsys):

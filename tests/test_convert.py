@@ -235,6 +235,13 @@ def test_blocks_must_divide_depth(tmp_path, single_hf):
     _no_output(tmp_path, tmp_path / "out")
 
 
+def test_heads_not_dividing_width_is_a_clear_cli_error(tmp_path, single_hf, capsys):
+    out = tmp_path / "out"
+    assert convert_main(["--from", str(single_hf), "--to", str(out), "--num-blocks", "2", "--heads", "3"]) == 1
+    assert "not divisible by the number of routing heads 3" in capsys.readouterr().err
+    _no_output(tmp_path, out)
+
+
 def test_existing_output_needs_overwrite(tmp_path, single_hf):
     out = tmp_path / "out"
     out.mkdir()

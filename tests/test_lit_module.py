@@ -55,6 +55,9 @@ def test_checkpoint_from_another_strategy_or_size_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="not written by mhar_lit"):
         LanguageModel(size="tiny").on_load_checkpoint({"state_dict": {}})
     LanguageModel(size="tiny", residual=FullAttnRes(heads=4, backend="torch")).on_load_checkpoint(ckpt)  # same: ok
+    # files written before triton_options became a runtime option list it: still the same strategy
+    ckpt["mhar_lit"]["residual"]["options"]["triton_options"] = {}
+    LanguageModel(size="tiny", residual=FullAttnRes(heads=4, triton_options={"suffix_impl": "fma"})).on_load_checkpoint(ckpt)
 
 
 def test_model_from_checkpoint_round_trip(tmp_path):

@@ -63,7 +63,7 @@ def convert_main(argv: Optional[list[str]] = None) -> int:
                              num_blocks=args.num_blocks, legacy_block_delta=args.legacy_block_delta,
                              null_source=args.null_source, dtype=args.dtype,
                              max_shard_bytes=args.max_shard_size, overwrite=args.overwrite)
-    except ConversionError as err:
+    except (ConversionError, ValueError) as err:  # ValueError: a strategy option the model refuses (e.g. heads)
         print(f"convert: error: {err}", file=sys.stderr)
         return 1
     print(f"convert: wrote {out}")

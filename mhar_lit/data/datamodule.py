@@ -5,8 +5,9 @@ the packed stream (documents + EOS, no padding). The model uses `tokens_BT1[:, :
 `tokens_BT1[:, 1:]` as targets.
 
 Lifecycle (Lightning calls these in order):
-- `__init__` only loads the tokenizer, so `vocab_size` and `eos_id` are known at once (the CLI links
-  `data.vocab_size` into the model config) and nothing distributed-sensitive happens yet.
+- `__init__` only loads the tokenizer, so `vocab_size` and `eos_id` are known at once (LanguageModel.setup
+  checks that the model's vocab_size covers it, naming model.model_overrides.vocab_size) and nothing
+  distributed-sensitive happens yet.
 - `prepare_data` (local rank 0 of each node) tokenizes the inputs into the cache, or reuses it.
 - `setup` builds the `StreamingDataset`s on every rank, after the process group exists, so litdata
   splits chunks across ranks (a dataset built earlier would give every rank the whole epoch).
@@ -234,6 +235,21 @@ class TokenDataModule(L.LightningDataModule):
     def val_dataloader(self):
         if self.val_dataset is None:
             return []  # no held-out split: Lightning then skips validation
+        return self._loader(self.val_dataset, self.val_batch_size)
+
+    def test_dataloader(self):
+        """The held-out split (there is no separate test split: `test` reports test/loss on the validation
+        documents, all of them unless Trainer `limit_test_batches` caps them)."""
+        return self._held_out("test")
+
+    def predict_dataloader(self):
+        """The held-out split, in order (`predict` returns each sequence's mean next-token loss)."""
+        return self._held_out("predict")
+
+    def _held_out(self, stage: str):
+        if self.val_dataset is None:
+            raise InputError(f"`{stage}` needs a held-out split, but this data has none: set data.val_fraction > 0 "
+                             "(documents are assigned to it by a hash of their text)")
         return self._loader(self.val_dataset, self.val_batch_size)
 
     def decode(self, ids) -> str:

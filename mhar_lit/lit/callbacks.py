@@ -193,6 +193,12 @@ class RoutingMonitor(L.Callback):
             log_figure(trainer, routing_heatmap(recorded, f"routing weights, {name}"), f"routing/heatmap_{name}.png")
 
 
+def _mlflow_logger(trainer: L.Trainer):
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    return next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None)
+
+
 def log_figure(trainer: L.Trainer, figure: Any, artifact_file: str) -> None:
     """Log a matplotlib figure to MLflow if an MLflow logger is attached, else save it under the log dir."""
     import matplotlib.pyplot as plt
@@ -212,15 +218,53 @@ def log_figure(trainer: L.Trainer, figure: Any, artifact_file: str) -> None:
 
 
 class LogCheckpointArtifact(L.Callback):
-    """At the end of fit, uploads the last (or best) checkpoint to the MLflow run as an artifact.
+    """The run's final checkpoint: saved at the end of training, uploaded to the MLflow run, linked on resume.
 
-    Only single files up to `max_bytes` are copied (a sharded checkpoint directory, or an 8B checkpoint with
-    optimizer states, would duplicate tens of GB into the artifact store); the run is always tagged with
-    the checkpoint's path.
+    - At train end, `last.ckpt` is written again if the last save was at an earlier step (ModelCheckpoint saves
+      at validations only, so max_steps off the validation interval, or a max_time stop, lost the last steps).
+    - At the end of fit the last (or best) checkpoint is uploaded as an artifact: only single files up to
+      `max_bytes` (a sharded checkpoint directory, or an 8B checkpoint with optimizer states, would duplicate
+      tens of GB into the artifact store); the run is always tagged with the checkpoint's path.
+    - A resumed fit is a new MLflow run tagged `resumed_from_run` (the run that wrote the checkpoint, kept in
+      this callback's checkpoint state) and `resumed_from_checkpoint`.
     """
 
     def __init__(self, max_bytes: int = 2 * 2**30) -> None:
         self.max_bytes = max_bytes
+        self._saved_step: Optional[int] = None  # global step of the newest checkpoint written in this fit
+        self._run_id: Optional[str] = None
+        self._resumed_from: Optional[str] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mlflow_run_id": self._run_id}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed_from = state_dict.get("mlflow_run_id")
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._saved_step = None
+        mlflow = _mlflow_logger(trainer)
+        self._run_id = mlflow.run_id if mlflow is not None and trainer.is_global_zero else None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        mlflow = _mlflow_logger(trainer)
+        if trainer.ckpt_path and mlflow is not None and trainer.is_global_zero:
+            mlflow.experiment.set_tag(mlflow.run_id, "resumed_from_checkpoint", os.path.abspath(trainer.ckpt_path))
+            if self._resumed_from:
+                mlflow.experiment.set_tag(mlflow.run_id, "resumed_from_run", self._resumed_from)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self._saved_step = trainer.global_step
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        ckpt = trainer.checkpoint_callback
+        if ckpt is None or not ckpt.save_last or ckpt.dirpath is None:
+            return
+        if trainer.global_step == 0 or self._saved_step == trainer.global_step:
+            return
+        path = ckpt.format_checkpoint_name({}, ckpt.CHECKPOINT_NAME_LAST)
+        trainer.save_checkpoint(path)  # every rank calls it, as a sharded save needs
+        ckpt.last_model_path = path
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from lightning.pytorch.loggers import MLFlowLogger

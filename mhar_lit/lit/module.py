@@ -48,6 +48,11 @@ def strategy_signature(residual: ResidualStrategy) -> dict[str, Any]:
     return {"class_path": f"{type(residual).__module__}.{type(residual).__qualname__}", "options": options}
 
 
+def _without_runtime_options(signature: dict[str, Any]) -> dict[str, Any]:
+    options = {k: v for k, v in signature.get("options", {}).items() if k not in RUNTIME_OPTIONS}
+    return dict(signature, options=options)
+
+
 class LanguageModel(L.LightningModule):
     """Next-token LM training for any residual strategy at any named size.
 
@@ -152,7 +157,7 @@ class LanguageModel(L.LightningModule):
         self.val_loss.reset()
         self.log("val/loss", value, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(value))
-        if not self.trainer.sanity_checking:
+        if not self.trainer.sanity_checking and self.trainer.state.fn == "fit":  # `validate` runs stay out
             self.val_history.append(float(value))
             tail = self.val_history[-self.hparams.tail_k :]
             self.log("val/tail_mean", sum(tail) / len(tail))
@@ -239,6 +244,7 @@ class LanguageModel(L.LightningModule):
         if saved is None:
             raise ValueError("checkpoint was not written by mhar_lit (no 'mhar_lit' section); cannot resume from it")
         mine = {"model_config": self.config.to_dict(), "residual": strategy_signature(self.model.residual)}
+        saved = dict(saved, residual=_without_runtime_options(saved["residual"]))  # older files listed some
         for key in ("model_config", "residual"):
             if saved[key] != mine[key]:
                 raise ValueError(
