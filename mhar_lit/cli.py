@@ -78,6 +78,9 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             parser.add_lightning_class_args(RoutingBackend, "routing_backend")
             parser.set_defaults({
                 "checkpoint.save_last": True,
+                # without a monitor, top-k 1 keeps a copy of the newest checkpoint next to last.ckpt (the same
+                # bytes twice: 2 x ~100 GB at 8B with optimizer states); -1 keeps every periodic checkpoint
+                "checkpoint.save_top_k": 0,
                 "trainer.default_root_dir": "runs",
                 "trainer.logger": {
                     "class_path": "lightning.pytorch.loggers.MLFlowLogger",

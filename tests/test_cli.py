@@ -128,6 +128,9 @@ def test_fit_tracks_in_mlflow_and_resume_reproduces_losses(tmp_path, monkeypatch
     assert full_cli.trainer.checkpoint_callback.dirpath != first_cli.trainer.checkpoint_callback.dirpath
     # A resume is a new run linked to the one it continues; unnamed runs get distinct names (MLflow's random
     # names repeat under seed_everything).
+    # one file per checkpoint (no top-k copy of last.ckpt), and the folder is tagged from the start
+    assert os.listdir(first_cli.trainer.checkpoint_callback.dirpath) == ["last.ckpt"]
+    assert run.data.tags["checkpoint_dir"] == os.path.abspath(full_cli.trainer.checkpoint_callback.dirpath)
     resumed_run = client.get_run(resumed_cli.trainer.logger.run_id)
     assert resumed_run.data.tags["resumed_from_run"] == first_cli.trainer.logger.run_id
     assert resumed_run.data.tags["resumed_from_checkpoint"] == os.path.abspath(ckpt)

@@ -220,8 +220,8 @@ def _input_ids(args: argparse.Namespace, model: nn.Module) -> tuple[Tensor, dict
         ids, origin = heldout_tokens(args.data, load_tokenizer(spec), args.tokens, seq_len, fraction,
                                      args.text_field)
     ids_QT = to_sequences(ids, args.tokens, seq_len)
-    if ids_QT.numel() < args.tokens:
-        print(f"probe: warning: only {ids_QT.numel()} held-out tokens (asked for {args.tokens}); pass more text "
+    if ids.numel() < args.tokens:  # not when only the cut into whole sequences of seq_len fell short
+        print(f"probe: warning: only {ids.numel()} held-out tokens (asked for {args.tokens}); pass more text "
               "with --data / --tokens-file, or a larger --val-fraction (at most the one used in training)",
               file=sys.stderr)
     vocab = model.config.vocab_size

@@ -224,7 +224,8 @@ class LogCheckpointArtifact(L.Callback):
       at validations only, so max_steps off the validation interval, or a max_time stop, lost the last steps).
     - At the end of fit the last (or best) checkpoint is uploaded as an artifact: only single files up to
       `max_bytes` (a sharded checkpoint directory, or an 8B checkpoint with optimizer states, would duplicate
-      tens of GB into the artifact store); the run is always tagged with the checkpoint's path.
+      tens of GB into the artifact store); the run is always tagged with the checkpoint's path, and with its
+      folder (`checkpoint_dir`) when training starts, so a killed run still points at its last.ckpt.
     - A resumed fit is a new MLflow run tagged `resumed_from_run` (the run that wrote the checkpoint, kept in
       this callback's checkpoint state) and `resumed_from_checkpoint`.
     """
@@ -248,6 +249,10 @@ class LogCheckpointArtifact(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         mlflow = _mlflow_logger(trainer)
+        ckpt = trainer.checkpoint_callback
+        if mlflow is not None and trainer.is_global_zero and ckpt is not None and ckpt.dirpath:
+            # known from the start, so that a killed run still says where its last.ckpt is
+            mlflow.experiment.set_tag(mlflow.run_id, "checkpoint_dir", os.path.abspath(ckpt.dirpath))
         if trainer.ckpt_path and mlflow is not None and trainer.is_global_zero:
             mlflow.experiment.set_tag(mlflow.run_id, "resumed_from_checkpoint", os.path.abspath(trainer.ckpt_path))
             if self._resumed_from:
