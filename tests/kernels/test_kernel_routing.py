@@ -3,6 +3,7 @@
 Tolerances: fp32 kernels must match the float64 reference to 1e-5 relative (fp32 arithmetic lands near
 1e-7; summation order differs). bf16/fp16: both the kernel and the reference in that dtype are compared with
 the float64 reference; the kernel's error may be at most 2x the reference's own rounding error plus 1e-3
+(per draw for the output and source gradients, as an RMS over draws for dq and dg: see that test)
 (the kernel does not round the key gradient to bf16 as the reference's autograd does, and takes the softmax
 coupling term from the rounded output, so the two errors are of the same size but not identical).
 """
@@ -61,22 +62,37 @@ def test_float64_gradcheck():
     assert torch.autograd.gradcheck(fn, tuple(leaf(sources, q, g)), eps=1e-6, atol=1e-7, rtol=1e-6)
 
 
+LOW_DRAWS = 16
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_within_reference_rounding_error(dtype):
+    """Per draw, out and d_sources within 2x the low-precision reference's error + 1e-3. d_query and d_norm_weight
+    sum terms over tokens that cancel 45-70x on bad draws, so one draw's error is noisy for both (a session-15
+    helper measured 904 bf16 draws: the kernel's RMS error 1.2x the reference's, single draws over 2x + 1e-3 on
+    0.9%, seeds 274218, 361327, 8215114, ...). They are held to that bound on the RMS over LOW_DRAWS fresh draws,
+    with a per-draw guard against gross errors at 5x + 2e-3 (the largest of those 904: ~2.7x + 1.3e-3)."""
     gen = fresh_generator()
-    n, b, t, d, h = 5, 2, 16, 32, 4  # 32 tokens: with 8, the error ratio of
-    # d_norm_weight (a sum over tokens) was noisy enough to fail about 1 draw in 100 (seeds 26, 947806152)
-    sources, q, g = random_case(n, b, t, d, torch.float64, gen)
-    dout = torch.randn(b, t, d, generator=gen, dtype=torch.float64)
-    exact = _grads(sources, q, g, h, dout, "torch")
-    low = [x.to(dtype) for x in (sources, q, g)]
-    ref_low = _grads(*low, h, dout, "torch")
-    got_low = _grads(*low, h, dout, "triton")
-    for name, a, r, e in zip(("out", "d_sources", "d_query", "d_norm_weight"), got_low, ref_low, exact):
-        assert a.dtype == dtype
-        assert rel(a, e) <= 2 * rel(r, e) + 1e-3, (
-            f"{name}: triton {rel(a, e):.2e} vs reference {rel(r, e):.2e} (seed {gen.initial_seed()})"
-        )
+    n, b, t, d, h = 5, 2, 16, 32, 4
+    names = ("out", "d_sources", "d_query", "d_norm_weight")
+    sq = torch.zeros(2, len(names), dtype=torch.float64)  # squared errors: triton, reference
+    for _ in range(LOW_DRAWS):
+        sources, q, g = random_case(n, b, t, d, torch.float64, gen)
+        dout = torch.randn(b, t, d, generator=gen, dtype=torch.float64)
+        exact = _grads(sources, q, g, h, dout, "torch")
+        low = [x.to(dtype) for x in (sources, q, g)]
+        ref_low = _grads(*low, h, dout, "torch")
+        got_low = _grads(*low, h, dout, "triton")
+        for i, (name, a, r, e) in enumerate(zip(names, got_low, ref_low, exact)):
+            assert a.dtype == dtype
+            err, ref_err = rel(a, e), rel(r, e)
+            per_draw = 2 * ref_err + 1e-3 if name in ("out", "d_sources") else 5 * ref_err + 2e-3
+            assert err <= per_draw, f"{name}: triton {err:.2e} vs reference {ref_err:.2e} (seed {gen.initial_seed()})"
+            sq[:, i] += torch.tensor([err, ref_err], dtype=torch.float64) ** 2
+    rms = (sq / LOW_DRAWS).sqrt()
+    for i, name in enumerate(names):
+        assert rms[0, i] <= 2 * rms[1, i] + 1e-3, (
+            f"{name}: RMS triton {rms[0, i]:.2e} vs reference {rms[1, i]:.2e} (seed {gen.initial_seed()})")
 
 
 def test_single_head_equals_single_head_formula():
