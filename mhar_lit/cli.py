@@ -70,6 +70,9 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
         def before_instantiate_classes(self) -> None:
             config = self.config[self.subcommand] if self.subcommand else self.config
             name_unnamed_mlflow_run(config)
+            checkpoint = config.get("checkpoint")
+            if checkpoint is not None and checkpoint.get("monitor") and checkpoint.get("save_top_k") == 0:
+                checkpoint["save_top_k"] = 1  # the default 0 is for runs without a monitor (see below)
 
         def add_arguments_to_parser(self, parser) -> None:
             parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -79,7 +82,8 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             parser.set_defaults({
                 "checkpoint.save_last": True,
                 # without a monitor, top-k 1 keeps a copy of the newest checkpoint next to last.ckpt (the same
-                # bytes twice: 2 x ~100 GB at 8B with optimizer states); -1 keeps every periodic checkpoint
+                # bytes twice: 2 x ~100 GB at 8B with optimizer states); -1 keeps every periodic checkpoint.
+                # With checkpoint.monitor set, 0 becomes Lightning's 1 (the best checkpoint is then kept)
                 "checkpoint.save_top_k": 0,
                 "trainer.default_root_dir": "runs",
                 "trainer.logger": {

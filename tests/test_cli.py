@@ -161,6 +161,14 @@ def test_real_fit_subcommand_refuses_a_checkpoint_of_other_settings(tmp_path, mo
                    "--ckpt_path", ckpt])
 
 
+def test_checkpoint_top_k_defaults(tmp_path, monkeypatch):
+    """No monitor: only last.ckpt (top-k 0; 1 would duplicate it). A monitor: Lightning's top-k 1 keeps the best."""
+    monkeypatch.chdir(tmp_path)
+    base = ["--config", str(REPO / "configs/demo.yaml"), "--trainer.logger", "false"]
+    for extra, top_k in (([], 0), (["--checkpoint.monitor", "val/loss"], 1), (["--checkpoint.save_top_k", "-1"], -1)):
+        assert build_cli([*base, *extra], run=False).trainer.checkpoint_callback.save_top_k == top_k, extra
+
+
 def test_test_and_predict_use_the_held_out_split(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli, _ = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "2"))
