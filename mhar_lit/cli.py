@@ -70,9 +70,6 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
         def before_instantiate_classes(self) -> None:
             config = self.config[self.subcommand] if self.subcommand else self.config
             name_unnamed_mlflow_run(config)
-            checkpoint = config.get("checkpoint")
-            if checkpoint is not None and checkpoint.get("monitor") and checkpoint.get("save_top_k") == 0:
-                checkpoint["save_top_k"] = 1  # the default 0 is for runs without a monitor (see below)
 
         def add_arguments_to_parser(self, parser) -> None:
             parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -80,11 +77,10 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             parser.add_lightning_class_args(RoutingMonitor, "routing_monitor")
             parser.add_lightning_class_args(RoutingBackend, "routing_backend")
             parser.set_defaults({
+                # Lightning (2.6) writes last.ckpt only when a top-k save happened at that step, so save_top_k
+                # must stay >= 1 (0 left no checkpoint until the end of training). Without a monitor the top-k
+                # file is a copy of last.ckpt: `--checkpoint.save_last link` makes last.ckpt a link to it instead.
                 "checkpoint.save_last": True,
-                # without a monitor, top-k 1 keeps a copy of the newest checkpoint next to last.ckpt (the same
-                # bytes twice: 2 x ~100 GB at 8B with optimizer states); -1 keeps every periodic checkpoint.
-                # With checkpoint.monitor set, 0 becomes Lightning's 1 (the best checkpoint is then kept)
-                "checkpoint.save_top_k": 0,
                 "trainer.default_root_dir": "runs",
                 "trainer.logger": {
                     "class_path": "lightning.pytorch.loggers.MLFlowLogger",

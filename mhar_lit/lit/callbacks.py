@@ -268,8 +268,15 @@ class LogCheckpointArtifact(L.Callback):
         if trainer.global_step == 0 or self._saved_step == trainer.global_step:
             return
         path = ckpt.format_checkpoint_name({}, ckpt.CHECKPOINT_NAME_LAST)
-        trainer.save_checkpoint(path)  # every rank calls it, as a sharded save needs
+        if os.path.islink(path):  # save_last="link": replace the link, do not write through it into a top-k file
+            os.remove(path) if trainer.is_global_zero else None
+            trainer.strategy.barrier("mhar_lit_last_link")
+        trainer.save_checkpoint(path, weights_only=False)  # every rank calls it, as a sharded save needs
         ckpt.last_model_path = path
+        # ModelCheckpoint (run after this callback) would otherwise save once more if it never saved in this fit
+        for name, value in (("_last_checkpoint_saved", path), ("_last_global_step_saved", trainer.global_step)):
+            if hasattr(ckpt, name):
+                setattr(ckpt, name, value)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from lightning.pytorch.loggers import MLFlowLogger

@@ -1,0 +1,49 @@
+"""LogCheckpointArtifact's final checkpoint in real CPU fits: last.ckpt holds the last step whatever the
+validation interval, periodic checkpoints are unchanged, nothing is saved twice, save_last="link" is respected."""
+
+import os
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from mhar_lit.lit.callbacks import LogCheckpointArtifact
+from mhar_lit.lit.module import LanguageModel
+
+
+class _Saves(L.Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.steps.append(trainer.global_step)
+
+
+def _fit(tmp_path, max_steps, save_last=True):
+    saves, ckpt = _Saves(), ModelCheckpoint(dirpath=tmp_path, save_last=save_last)
+    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, val_check_interval=4, limit_val_batches=1,
+                        logger=False, callbacks=[ckpt, saves, LogCheckpointArtifact()], enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    data = torch.randint(0, 256, (40, 17))
+    loader = lambda: torch.utils.data.DataLoader(data, batch_size=2)  # noqa: E731
+    trainer.fit(LanguageModel(size="tiny", warmup_steps=1), loader(), loader())
+    return ckpt, saves.steps
+
+
+def _step(path):
+    return torch.load(path, weights_only=False)["global_step"]
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_last_checkpoint_holds_the_final_step(tmp_path, save_last):
+    ckpt, steps = _fit(tmp_path, max_steps=6, save_last=save_last)
+    last = os.path.join(tmp_path, "last.ckpt")
+    assert ckpt.last_model_path == last and _step(last) == 6 and not os.path.islink(last)
+    assert _step(os.path.join(tmp_path, "epoch=0-step=4.ckpt")) == 4  # the periodic checkpoint is kept as it was
+    assert steps.count(4) >= 1 and steps.count(6) == 1  # periodic save at 4, one final save at 6
+
+
+def test_no_extra_save_when_the_last_step_was_saved(tmp_path):
+    _, steps = _fit(tmp_path, max_steps=8)
+    assert steps == [4, 4, 8, 8]  # ModelCheckpoint's top-k file and last.ckpt at each validation, nothing more
