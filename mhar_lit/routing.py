@@ -95,6 +95,12 @@ def block_mix(blocks: Tensor, queries: Tensor, norm_weights: Tensor, heads: int,
     the completed blocks: max m [S, B, T, H], sum of exponentials l [S, B, T, H] and the normalised mix
     o [S, B, T, D], all in the compute dtype (fp32 for bf16 storage).
     """
+    with torch.autocast(blocks.device.type, enabled=False):  # autocast would run the einsums in bf16
+        return _block_mix(blocks, queries, norm_weights, heads, eps)
+
+
+def _block_mix(blocks: Tensor, queries: Tensor, norm_weights: Tensor, heads: int, eps: float
+               ) -> tuple[Tensor, Tensor, Tensor]:
     k, b, t, d = blocks.shape
     normed = normalized_sources(blocks, eps).view(k, b, t, heads, d // heads)
     w_SHK = (queries.to(normed.dtype) * norm_weights.to(normed.dtype)).view(-1, heads, d // heads)
@@ -116,6 +122,12 @@ def merge_partial(m: Tensor, l: Tensor, o: Tensor, partial: Tensor, query: Tenso
         lam = < w_[h], round(p r(p))_[h] >,  m' = max(m, lam)
         out = (e^(m - m') l o + e^(lam - m') p) / (e^(m - m') l + e^(lam - m'))
     """
+    with torch.autocast(partial.device.type, enabled=False):
+        return _merge_partial(m, l, o, partial, query, norm_weight, heads, eps)
+
+
+def _merge_partial(m: Tensor, l: Tensor, o: Tensor, partial: Tensor, query: Tensor, norm_weight: Tensor,  # noqa: E741
+                   heads: int, eps: float) -> Tensor:
     b, t, d = partial.shape
     normed = normalized_sources(partial, eps).view(b, t, heads, d // heads)
     w_HK = (query.to(normed.dtype) * norm_weight.to(normed.dtype)).view(heads, d // heads)

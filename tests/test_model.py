@@ -424,3 +424,28 @@ def test_two_phase_records_weights_and_survives_activation_checkpointing():
     assert direct.residual.recorded.keys() == two.residual.recorded.keys() == set(range(2 * cfg.num_layers + 1))
     for site, weights in direct.residual.recorded.items():
         torch.testing.assert_close(two.residual.recorded[site], weights)
+
+
+def test_two_phase_under_autocast_equals_direct():
+    """bf16-mixed, at every site: autocast must not run the two-phase products in bf16 (SPEC: routing math in
+    fp32), and the fp32 embedding mixed with bf16 sublayer outputs must be promoted as the direct routing's stack
+    does. The strategy is driven with fixed sublayer outputs (a whole model would add bf16 matmul roundings)."""
+    cfg = tiny()
+    routed = {}
+    for two_phase in (False, True):
+        strat = BlockAttnRes(heads=4, layers_per_block=2, two_phase=two_phase)
+        _randomised(DecoderLM(cfg, strat))
+        embedding = torch.randn(2, 5, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+        outputs = [torch.randn(2, 5, cfg.hidden_size, generator=torch.Generator().manual_seed(2 + s)).bfloat16()
+                   for s in range(2 * cfg.num_layers)]
+        inputs = []
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            state = strat.begin(embedding)
+            for site, y in enumerate(outputs):
+                inputs.append(strat.sublayer_input(state, site))
+                state = strat.sublayer_output(state, site, y)
+            inputs.append(strat.final(state))
+        routed[two_phase] = inputs
+    for site, (a, b) in enumerate(zip(routed[False], routed[True])):
+        assert a.dtype == b.dtype
+        assert _max_rel(a.float(), b.float()) <= 1e-5, (site, _max_rel(a.float(), b.float()))

@@ -20,6 +20,7 @@ both of width d, so the method adds (2L+1) * 2d parameters whatever the number o
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -202,8 +203,9 @@ class BlockAttnRes(RoutedResidual):
     two_phase=True (torch backend) computes the same routing as Kimi's two-phase refactoring (SPEC D): at a
     block's first site every site of the block is scored against the completed blocks at once (each block
     normalised and read once per block, not once per site), and each site then merges that softmax state with
-    the block's partial sum. Equal to the direct routing up to fp32 rounding order; it saves a per-site fp32
-    mix [sites, B, T, D] for the backward, so it suits inference and evaluation more than training memory.
+    the block's partial sum. Equal to the direct routing up to fp32 rounding order, faster and keeping fewer
+    bytes for the backward on the PyTorch backend (benchmarks/results/cpu_two_phase_2026-12-05). The triton
+    backend has its own fused schedule and ignores it (with a warning).
     """
 
     def __init__(self, heads: int = 8, layers_per_block: int = 2, backend: str = "torch",
@@ -225,6 +227,10 @@ class BlockAttnRes(RoutedResidual):
         super().build(config)
 
     def begin(self, embedding: Tensor) -> _BlockState:
+        if self.backend == "triton" and self.two_phase and not getattr(self, "_warned_two_phase", False):
+            self._warned_two_phase = True
+            warnings.warn("BlockAttnRes(two_phase=True) applies to the torch backend; the triton backend routes "
+                          "with its fused kernels", stacklevel=2)
         if self.backend == "triton" and self.triton_shared_buffer:
             from mhar_lit.kernels.block_routing import BlockRouting
 
@@ -265,6 +271,8 @@ class BlockAttnRes(RoutedResidual):
         """Phase 1 at a block's first site: its sites (and the final site after the last block) are contiguous."""
         count = 2 * self.layers_per_block + (site + 2 * self.layers_per_block == self.final_site)
         sites = slice(site, site + count)
+        # torch.stack promotes mixed dtypes (fp32 embedding, bf16 sublayer outputs under autocast) as the direct
+        # routing's stack does, so keys are rounded to the same dtype on both paths
         state.mix = block_mix(torch.stack(state.blocks), self.query[sites], self.key_norm[sites], self.heads, self.eps)
         state.mix_site = site
 
@@ -279,7 +287,7 @@ class BlockAttnRes(RoutedResidual):
             dtype = torch.promote_types(dtype, source.dtype)  # as torch.stack in the direct routing
         if state.partial is None:
             return o.to(dtype)
-        return merge_partial(m, l, o, state.partial, self.query[site], self.key_norm[site], self.heads,
+        return merge_partial(m, l, o, state.partial.to(dtype), self.query[site], self.key_norm[site], self.heads,
                              self.eps).to(dtype)
 
     def _triton_route(self, state: _TritonState, site: int) -> Tensor:
