@@ -47,3 +47,13 @@ def test_last_checkpoint_holds_the_final_step(tmp_path, save_last):
 def test_no_extra_save_when_the_last_step_was_saved(tmp_path):
     _, steps = _fit(tmp_path, max_steps=8)
     assert steps == [4, 4, 8, 8]  # ModelCheckpoint's top-k file and last.ckpt at each validation, nothing more
+
+
+def test_a_folder_shared_with_an_earlier_run_keeps_its_last_checkpoint(tmp_path):
+    """Two fits into one folder (no per-run folder: no MLflow logger or a fixed dirpath): the second run's final
+    save goes to its own versioned last file, as ModelCheckpoint names it, not over the first run's."""
+    _fit(tmp_path, max_steps=3)  # no validation: only the train-end save, last.ckpt at step 3
+    assert _step(os.path.join(tmp_path, "last.ckpt")) == 3
+    ckpt, _ = _fit(tmp_path, max_steps=6)
+    assert _step(os.path.join(tmp_path, "last.ckpt")) == 3
+    assert ckpt.last_model_path == os.path.join(tmp_path, "last-v1.ckpt") and _step(ckpt.last_model_path) == 6

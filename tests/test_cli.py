@@ -158,6 +158,11 @@ def test_real_fit_subcommand_refuses_a_checkpoint_of_other_settings(tmp_path, mo
     with pytest.raises(ValueError, match="checkpoint model_config does not match this run"):
         build_cli(["fit", *_tiny_args(tmp_path, "--trainer.max_steps", "4", "--model.size", "tiny-4l"),
                    "--ckpt_path", ckpt])
+    # the optimizer state would bring back the checkpoint's lr while the run logs the new one
+    with pytest.raises(ValueError, match=r"lr: checkpoint 0.003, this run 0.0001"):
+        build_cli(["fit", *_tiny_args(tmp_path, "--trainer.max_steps", "4", "--model.lr", "1e-4"), "--ckpt_path", ckpt])
+    # the schedule's shape follows the config: allowed
+    build_cli(["fit", *_tiny_args(tmp_path, "--trainer.max_steps", "4", "--model.decay_steps", "4"), "--ckpt_path", ckpt])
 
 
 def test_test_and_predict_use_the_held_out_split(tmp_path, monkeypatch):

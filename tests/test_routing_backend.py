@@ -129,3 +129,25 @@ def test_strategies_without_routing_are_left_alone():
     callback = RoutingBackend(backend="triton")
     module, logger = _fit(StandardResidual(), callback)
     assert callback.report == {} and "routing_backend" not in logger.params
+
+
+def test_non_finite_reference_is_an_error_even_with_fallback(monkeypatch):
+    """When the PyTorch reference itself gives NaN, the model has diverged: falling back to it would be wrong."""
+    original = FullAttnRes.sublayer_input
+
+    def sublayer_input(self, state, site):
+        out = original(self, state, site)
+        return torch.full_like(out, float("nan")) if self.backend == "torch" else out
+
+    monkeypatch.setattr(FullAttnRes, "sublayer_input", sublayer_input)
+    with pytest.raises(RuntimeError, match="reference's logits are not finite"):
+        _fit(FullAttnRes(heads=4), RoutingBackend(backend="triton", fallback=True), steps=1)
+
+
+def test_zero_tolerance_runs_the_check_strictly():
+    """tolerance 0 is kept (not replaced by the default): fp32 summation-order differences then fail the check."""
+    callback = RoutingBackend(backend="triton", tolerance=0.0, fallback=True)
+    module, logger = _fit(FullAttnRes(heads=4), callback, steps=1)
+    assert logger.metrics["routing_check_tolerance"] == 0.0
+    expected = "torch (fallback after failed check)" if logger.metrics["routing_check_rel_err"] > 0 else "triton"
+    assert logger.params["routing_backend"] == expected

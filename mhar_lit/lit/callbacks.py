@@ -261,13 +261,25 @@ class LogCheckpointArtifact(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         self._saved_step = trainer.global_step
 
+    @staticmethod
+    def _last_path(trainer: L.Trainer, ckpt: Any) -> str:
+        """ModelCheckpoint's own last file of this fit; else its name for one, versioned as ModelCheckpoint does
+        (last-v1.ckpt, ...) so that a folder shared with an earlier run keeps that run's last.ckpt."""
+        if ckpt.last_model_path and os.path.dirname(os.path.abspath(ckpt.last_model_path)) == os.path.abspath(ckpt.dirpath):
+            return ckpt.last_model_path
+        path, version = ckpt.format_checkpoint_name({}, ckpt.CHECKPOINT_NAME_LAST), 1
+        while ckpt.file_exists(path, trainer):
+            path = ckpt.format_checkpoint_name({}, ckpt.CHECKPOINT_NAME_LAST, ver=version)
+            version += 1
+        return path
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         ckpt = trainer.checkpoint_callback
         if ckpt is None or not ckpt.save_last or ckpt.dirpath is None:
             return
         if trainer.global_step == 0 or self._saved_step == trainer.global_step:
             return
-        path = ckpt.format_checkpoint_name({}, ckpt.CHECKPOINT_NAME_LAST)
+        path = self._last_path(trainer, ckpt)
         if os.path.islink(path):  # save_last="link": replace the link, do not write through it into a top-k file
             os.remove(path) if trainer.is_global_zero else None
             trainer.strategy.barrier("mhar_lit_last_link")

@@ -250,7 +250,26 @@ class LanguageModel(L.LightningModule):
                 raise ValueError(
                     f"checkpoint {key} does not match this run:\n  checkpoint: {saved[key]}\n  this run:   {mine[key]}"
                 )
+        self._check_optimizer_settings(checkpoint.get("hyper_parameters", {}))
         self.val_history = list(saved.get("val_history", []))
+
+    # Restored with the optimizer state (its param groups) and LambdaLR's base_lrs, so a changed value would be
+    # logged but not used; the schedule's shape (warmup, decay, floor), clipping and z-loss do follow the config.
+    OPTIMIZER_STATE_SETTINGS = ("lr", "betas", "eps", "weight_decay", "decay_all_parameters")
+
+    def _check_optimizer_settings(self, saved: dict[str, Any]) -> None:
+        if self._trainer is None or self.trainer.state.fn != "fit":
+            return  # validate / test / predict restore weights only
+
+        def norm(v):
+            return tuple(float(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+        differ = [f"{k}: checkpoint {saved[k]}, this run {self.hparams[k]}" for k in self.OPTIMIZER_STATE_SETTINGS
+                  if k in saved and norm(saved[k]) != norm(self.hparams[k])]
+        if differ:
+            raise ValueError("resuming would restore the checkpoint's optimizer state, whose settings differ from "
+                             "this run's (they would be logged but not used): " + "; ".join(differ) + ". Resume "
+                             "with the checkpoint's values")
 
     def on_fit_start(self) -> None:
         from mhar_lit.sweep import tag_run

@@ -134,6 +134,8 @@ class RoutingBackend(L.Callback):
                        f"{result['rel_err']:.3g}, tolerance {tolerance:.3g}")
             if "error" in result:
                 message += f" ({result['error']})"
+            if "reference" in result.get("error", ""):  # the model itself diverged: no backend to fall back to
+                raise RuntimeError(message + ": the PyTorch reference's logits are not finite either")
             if not self.fallback:
                 raise RuntimeError(message + " (set routing_backend.fallback=true to continue on the reference)")
             log.warning("%s; falling back to the PyTorch reference as configured", message)
@@ -152,6 +154,8 @@ class RoutingBackend(L.Callback):
         for logger in trainer.loggers:
             if isinstance(logger, MLFlowLogger):  # a tag, since MLflow params are immutable across resumes
                 logger.experiment.set_tag(logger.run_id, "routing_backend", self.report["routing_backend"])
+                if "routing_check_error" in self.report:  # why a check failed (a string: not a metric)
+                    logger.experiment.set_tag(logger.run_id, "routing_check_error", self.report["routing_check_error"])
             else:
                 logger.log_hyperparams({"routing_backend": self.report["routing_backend"]})
             if numbers:
