@@ -239,11 +239,12 @@ class TokenDataModule(L.LightningDataModule):
 
     def test_dataloader(self):
         """The held-out split (there is no separate test split: `test` reports test/loss on the validation
-        documents, all of them unless Trainer `limit_test_batches` caps them)."""
+        documents, in whole batches as validation does, capped by Trainer `limit_test_batches`)."""
         return self._held_out("test")
 
     def predict_dataloader(self):
-        """The held-out split, in order (`predict` returns each sequence's mean next-token loss)."""
+        """The held-out split (`predict` returns each sequence's mean next-token loss; in order on one device,
+        split across ranks under DDP)."""
         return self._held_out("predict")
 
     def _held_out(self, stage: str):
