@@ -46,16 +46,17 @@ def full_mode_loss(routing_fn, emb, q_SD, g_SD, mats, dout, outputs=None):
     return (x.to(torch.float64) * dout).sum() + extra
 
 
-def full_mode_problem(n_sites, b, t, d, gen, query_std=0.5):
+def full_mode_problem(n_sites, b, t, d, gen, query_std=0.25):
     """A float64 full-mode case: embedding [b, t, d], queries and norm weights [n_sites, d], one sublayer
     matrix per site and the final output's gradient."""
     emb = torch.randn(b, t, d, generator=gen, dtype=torch.float64) * 2
-    # Queries of std 0.5: logits of std ~3.5 per head at K = 48, still far from uniform weights. With std 1 (logit
-    # std ~7) the chain of 11 sharp softmaxes amplified rounding so much that fp32 errors against float64 ranged
-    # 1e-6 .. 5e-5 across seeds for the PyTorch reference and the kernels alike (13 seeds measured; one run of the
-    # kernels landed at 13x the reference's lucky 4e-6); at 0.5 both stay <= 4e-6, so the 1e-5 bound holds for
-    # the kernels' own rounding, not for the luck of a seed. The sharp regime keeps its own test
-    # (test_kernel_full_routing.py: test_sharp_softmax_chain_error_is_torch_fp32_sized).
+    # Queries of std 0.25 by default: logits of std ~1.7 per head at K = 48, weights still far from uniform. Larger
+    # queries make the chain of 11 softmaxes amplify fp32 rounding for every evaluation alike: at std 1 the errors
+    # against float64 ranged 1e-6 .. 5e-5 across 13 seeds for the PyTorch reference and the kernels; at std 0.5
+    # up to 1.1e-5 over 40 seeds, for the kernels and for torch with its features permuted within heads (one draw
+    # of 40 failed max(1e-5, 2x the reference's error)); at 0.25 at most 1.0e-6 over the same 40 seeds. So the
+    # 1e-5 bound tests the kernels' own rounding, not the luck of a draw. The sharp regime keeps its own test
+    # with a criterion made for it (test_kernel_full_routing.py: test_sharp_softmax_chain_error_is_torch_fp32_sized).
     q = query_std * torch.randn(n_sites, d, generator=gen, dtype=torch.float64)
     g = 1 + 0.3 * torch.randn(n_sites, d, generator=gen, dtype=torch.float64)
     mats = [torch.randn(d, d, generator=gen, dtype=torch.float64) / d**0.5 for _ in range(n_sites)]
