@@ -57,3 +57,28 @@ def test_a_folder_shared_with_an_earlier_run_keeps_its_last_checkpoint(tmp_path)
     ckpt, _ = _fit(tmp_path, max_steps=6)
     assert _step(os.path.join(tmp_path, "last.ckpt")) == 3
     assert ckpt.last_model_path == os.path.join(tmp_path, "last-v1.ckpt") and _step(ckpt.last_model_path) == 6
+
+
+class _StopAt(L.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.should_stop = True  # as max_time's Timer does
+
+
+def test_the_validation_of_an_early_stop_stays_out_of_the_tail_mean(tmp_path):
+    """Validation every 4 batches, a stop requested at step 6: Lightning validates at 4 and (extra) at 6; only the
+    scheduled one enters val_history, which the tail-mean averages."""
+    module = LanguageModel(size="tiny", warmup_steps=1)
+    trainer = L.Trainer(accelerator="cpu", max_steps=20, val_check_interval=4, check_val_every_n_epoch=None,
+                        limit_val_batches=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[_StopAt(6)])
+    data = torch.randint(0, 256, (40, 17))
+    loader = lambda: torch.utils.data.DataLoader(data, batch_size=2)  # noqa: E731
+    validations = []
+    module.on_validation_epoch_start = lambda: (validations.append(trainer.global_step),
+                                                LanguageModel.on_validation_epoch_start(module))
+    trainer.fit(module, loader(), loader())
+    assert trainer.global_step == 6 and validations == [4, 6] and len(module.val_history) == 1

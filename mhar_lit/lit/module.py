@@ -157,10 +157,20 @@ class LanguageModel(L.LightningModule):
         self.val_loss.reset()
         self.log("val/loss", value, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(value))
-        if not self.trainer.sanity_checking and self.trainer.state.fn == "fit":  # `validate` runs stay out
+        if not self.trainer.sanity_checking and self.trainer.state.fn == "fit" and self._scheduled_validation():
             self.val_history.append(float(value))
             tail = self.val_history[-self.hparams.tail_k :]
             self.log("val/tail_mean", sum(tail) / len(tail))
+
+    def _scheduled_validation(self) -> bool:
+        """False for the extra validation Lightning runs when a fit is asked to stop between validations
+        (max_time, a user's should_stop): the tail-mean averages the evaluation schedule only. (`validate`
+        runs are kept out by the caller.)"""
+        trainer = self.trainer
+        every = trainer.val_check_batch
+        if not trainer.should_stop or not isinstance(every, int) or trainer.check_val_every_n_epoch is not None:
+            return True
+        return (trainer.fit_loop.epoch_loop.total_batch_idx + 1) % every == 0
 
     def test_step(self, batch: Tensor, batch_idx: int) -> None:
         self.validation_step(batch, batch_idx)
