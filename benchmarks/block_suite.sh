@@ -3,7 +3,8 @@
 # of this tree (defaults and three configs, CUDA graph, per-kernel profile), the same script in an A/B copy of
 # another commit if given, the PyTorch backend direct vs two-phase, training steps against the baseline (CUDA graphs) and the memory peaks.
 # Usage, from the repository root: benchmarks/block_suite.sh OUTDIR [SECONDS] [AB_DIR]
-#   AB_DIR: a copy of another commit's tree (e.g. `git worktree add .ab/head b8cd2bb`, carried to the device as .ab)
+#   AB_DIR: a copy of another commit's files (e.g. `git archive b8cd2bb mhar_lit benchmarks/routing.py
+#   benchmarks/block_routing.py pyproject.toml | tar -x -C .ab/head`, carried to the device as .ab)
 set -uo pipefail
 OUT_DIR=${1:?output folder}; BUDGET=${2:-500}; AB_DIR=${3:-}
 source "$(dirname "$0")/suite_steps.sh"  # T0, step, the output folder and env.txt
