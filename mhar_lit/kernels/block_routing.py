@@ -38,15 +38,17 @@ from mhar_lit.kernels.routing_triton import accumulator, check_device, check_sto
 # of 4 / 8 warps x 2048 / 4096 / 8192 tile elements, 2048 was fastest at every shape. Call 2 (backward
 # "block_pass", CUDA graph): 4 warps best at 100M / 350M (5.05 / 6.37 ms; 8 warps 5.67 / 6.59), 8 warps at 1B
 # (6.73 ms; 4 warps 7.98), where a 2048-element tile holds one token. num_warps=0 picks by that rule.
+# With the session-14 backward (2026-12-05, session 15, CUDA graph): 4096-element tiles 3.17 / 3.67 / 4.41 ms
+# against 2048's 3.16 / 3.97 / 4.68 (100M / 350M / 1B; benchmarks/results/suite_2026-12-05_s15_call2_*).
 DEFAULT_WARPS = 0
-DEFAULT_TILE = 2048
+DEFAULT_TILE = 4096
 UNROLL_CHOICES = (1, 2)  # block rows whose loads the forward's loop issues together
-# Backward design (2026-12-04, session 14; not yet timed on a GPU, no device was lent): block pairs are formed
+# Backward design (2026-12-04, session 14; timed in session 15: 3.15 / 3.97 / 4.72 ms against the session-7
+# design's 5.05 / 6.36 / 6.74 in the same call, CUDA graph, 2048-element tiles): block pairs are formed
 # in the per-block pass, each block row read once per block instead of once per site, and dq/dg come from one
 # tensor-core pass over every pair's dl instead of per-program partials of every site (at 1B, one token per
 # program, those were twice the bytes of the row, per site). Traffic model (benchmarks/block_routing.py
-# traffic_bytes): see benchmarks/results/block_routing.md. Session 7's design (the pairs formed per site, an
-# fp32 read + write of G per block, per-site dq/dg partials) measured 5.05 / 6.37 / 6.73 ms (CUDA graph).
+# traffic_bytes): see benchmarks/results/block_routing.md.
 QUERY_GRAD_TOKENS = 64  # tokens per program of the dq/dg pass (as FullRouting's DOT_TOKENS)
 
 
