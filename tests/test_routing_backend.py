@@ -10,37 +10,17 @@ import logging
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
+from capture_logger import CaptureLogger
 
 from mhar_lit.lit.module import LanguageModel
 from mhar_lit.lit.routing_backend import RoutingBackend
 from mhar_lit.residual import BlockAttnRes, FullAttnRes, StandardResidual
 
 
-class _CaptureLogger(Logger):
-    def __init__(self):
-        super().__init__()
-        self.metrics, self.params = {}, {}
-
-    @property
-    def name(self):
-        return "capture"
-
-    @property
-    def version(self):
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        self.params.update(params)
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.update(metrics)
-
-
 def _fit(residual, callback, steps=2):
     torch.manual_seed(0)
     module = LanguageModel(size="tiny", residual=residual, warmup_steps=1)
-    logger = _CaptureLogger()
+    logger = CaptureLogger()
     trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=logger, callbacks=[callback],
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0)

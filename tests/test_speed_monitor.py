@@ -5,31 +5,11 @@ import time
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
+from capture_logger import CaptureLogger
 
 from mhar_lit.lit.callbacks import SpeedMonitor
 
 VAL_SLEEP_S = 0.5
-
-
-class _CaptureLogger(Logger):
-    def __init__(self):
-        super().__init__()
-        self.rows = []
-
-    @property
-    def name(self):
-        return "capture"
-
-    @property
-    def version(self):
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
-
-    def log_metrics(self, metrics, step=None):
-        self.rows.extend((step, k, v) for k, v in metrics.items())
 
 
 class _Tiny(L.LightningModule):
@@ -63,7 +43,7 @@ class _SlowSaveAtValidationEnd(L.Callback):
 @pytest.mark.parametrize("slow", ["validation", "save_at_validation_end"])
 def test_one_value_per_window_and_validation_time_excluded(slow):
     data = torch.randint(0, 100, (128, 9))
-    logger = _CaptureLogger()
+    logger = CaptureLogger()
     trainer = L.Trainer(accelerator="cpu", max_steps=12, val_check_interval=6, limit_val_batches=1,
                         num_sanity_val_steps=0, log_every_n_steps=2, logger=logger, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,

@@ -203,13 +203,11 @@ def log_figure(trainer: L.Trainer, figure: Any, artifact_file: str) -> None:
     """Log a matplotlib figure to MLflow if an MLflow logger is attached, else save it under the log dir."""
     import matplotlib.pyplot as plt
 
-    from lightning.pytorch.loggers import MLFlowLogger
-
     try:
-        for logger in trainer.loggers:
-            if isinstance(logger, MLFlowLogger):
-                logger.experiment.log_figure(logger.run_id, figure, artifact_file)
-                return
+        mlflow = _mlflow_logger(trainer)
+        if mlflow is not None:
+            mlflow.experiment.log_figure(mlflow.run_id, figure, artifact_file)
+            return
         out = os.path.join(trainer.log_dir or trainer.default_root_dir, artifact_file)
         os.makedirs(os.path.dirname(out), exist_ok=True)
         figure.savefig(out, dpi=100)
@@ -281,7 +279,8 @@ class LogCheckpointArtifact(L.Callback):
             return
         path = self._last_path(trainer, ckpt)
         if os.path.islink(path):  # save_last="link": replace the link, do not write through it into a top-k file
-            os.remove(path) if trainer.is_global_zero else None
+            if trainer.is_global_zero:
+                os.remove(path)
             trainer.strategy.barrier("mhar_lit_last_link")
         trainer.save_checkpoint(path, weights_only=False)  # every rank calls it, as a sharded save needs
         ckpt.last_model_path = path
@@ -291,18 +290,13 @@ class LogCheckpointArtifact(L.Callback):
                 setattr(ckpt, name, value)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from lightning.pytorch.loggers import MLFlowLogger
-
-        ckpt = trainer.checkpoint_callback
+        ckpt, mlflow = trainer.checkpoint_callback, _mlflow_logger(trainer)
         path = ckpt and (ckpt.last_model_path or ckpt.best_model_path)
-        if not path or not os.path.exists(path) or not trainer.is_global_zero:
+        if mlflow is None or not path or not os.path.exists(path) or not trainer.is_global_zero:
             return
-        small_file = os.path.isfile(path) and os.path.getsize(path) <= self.max_bytes
-        for logger in trainer.loggers:
-            if isinstance(logger, MLFlowLogger):
-                logger.experiment.set_tag(logger.run_id, "checkpoint_path", os.path.abspath(path))
-                if small_file:
-                    logger.experiment.log_artifact(logger.run_id, path, artifact_path="checkpoints")
-                else:
-                    log.warning("checkpoint %s not copied to MLflow (a directory or > %d bytes); its path is "
-                                "in the run's 'checkpoint_path' tag", path, self.max_bytes)
+        mlflow.experiment.set_tag(mlflow.run_id, "checkpoint_path", os.path.abspath(path))
+        if os.path.isfile(path) and os.path.getsize(path) <= self.max_bytes:
+            mlflow.experiment.log_artifact(mlflow.run_id, path, artifact_path="checkpoints")
+        else:
+            log.warning("checkpoint %s not copied to MLflow (a directory or > %d bytes); its path is in the run's "
+                        "'checkpoint_path' tag", path, self.max_bytes)

@@ -54,9 +54,10 @@ def compare_backends(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[st
         residual.backend = original
     rel = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
     result = {"rel_err": rel, "torch_forward_ms": torch_ms, "triton_forward_ms": triton_ms}
-    bad = [name for name, logits in (("reference", ref), ("triton", out)) if not torch.isfinite(logits).all()]
-    if bad:  # NaN compares False with any tolerance: name it, so the check fails instead of passing
-        result["error"] = f"non-finite logits from {' and '.join(bad)}"
+    nonfinite = tuple(name for name, logits in (("reference", ref), ("triton", out)) if not torch.isfinite(logits).all())
+    if nonfinite:  # NaN compares False with any tolerance: name it, so the check fails instead of passing
+        result["nonfinite"] = nonfinite
+        result["error"] = f"non-finite logits from {' and '.join(nonfinite)}"
     return result
 
 
@@ -134,8 +135,8 @@ class RoutingBackend(L.Callback):
                        f"{result['rel_err']:.3g}, tolerance {tolerance:.3g}")
             if "error" in result:
                 message += f" ({result['error']})"
-            if "reference" in result.get("error", ""):  # the model itself diverged: no backend to fall back to
-                raise RuntimeError(message + ": the PyTorch reference's logits are not finite either")
+            if "reference" in result.get("nonfinite", ()):  # the model itself diverged: nothing to fall back to
+                raise RuntimeError(message + ": the PyTorch reference's logits are not finite (the model diverged)")
             if not self.fallback:
                 raise RuntimeError(message + " (set routing_backend.fallback=true to continue on the reference)")
             log.warning("%s; falling back to the PyTorch reference as configured", message)

@@ -20,6 +20,7 @@ both of width d, so the method adds (2L+1) * 2d parameters whatever the number o
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -282,9 +283,7 @@ class BlockAttnRes(RoutedResidual):
         if self.record_weights:
             self.record(torch.stack(sources), site)
         m, l, o = (x[site - state.mix_site] for x in state.mix)  # noqa: E741
-        dtype = sources[0].dtype
-        for source in sources[1:]:
-            dtype = torch.promote_types(dtype, source.dtype)  # as torch.stack in the direct routing
+        dtype = functools.reduce(torch.promote_types, (x.dtype for x in sources))  # as the direct routing's stack
         if state.partial is None:
             return o.to(dtype)
         return merge_partial(m, l, o, state.partial.to(dtype), self.query[site], self.key_norm[site], self.heads,
