@@ -70,27 +70,28 @@ def make_problem(shape_name, tokens, dtype, seed=0):
     return dict(n=n, ys=ys, douts=douts)
 
 
+def forward_sites(strat, ys, douts=None):
+    """The forward of every site on the sublayer outputs ys (ys[0]: the embedding); with douts, each output is
+    tied to its site's input (_Tie) so that the backward reaches every site. Returns the final site's output."""
+    state = strat.begin(ys[0])
+    for s in range(len(ys) - 1):
+        x = strat.sublayer_input(state, s)
+        state = strat.sublayer_output(state, s, ys[s + 1] if douts is None else _Tie.apply(x, ys[s + 1], douts[s]))
+    return strat.final(state)
+
+
 def run_once(strat, prob):
     """Forward + backward of every site; returns the leaves (embedding and sublayer outputs)."""
-    n = prob["n"]
     leaves = [y.detach().requires_grad_() for y in prob["ys"]]
     strat.zero_grad(set_to_none=True)
-    state = strat.begin(leaves[0])
-    for s in range(n - 1):
-        x = strat.sublayer_input(state, s)
-        state = strat.sublayer_output(state, s, _Tie.apply(x, leaves[s + 1], prob["douts"][s]))
-    strat.final(state).backward(prob["douts"][n - 1])
+    forward_sites(strat, leaves, prob["douts"]).backward(prob["douts"][-1])
     return leaves
 
 
 def run_forward(strat, prob):
     """The forward of every site under no_grad (inference)."""
     with torch.no_grad():
-        state = strat.begin(prob["ys"][0])
-        for s in range(prob["n"] - 1):
-            strat.sublayer_input(state, s)
-            state = strat.sublayer_output(state, s, prob["ys"][s + 1])
-        return strat.final(state)
+        return forward_sites(strat, prob["ys"])
 
 
 def grads(strat, leaves):

@@ -17,8 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from block_routing import make_problem, make_strategy  # noqa: E402
-from routing import _Tie  # noqa: E402
+from block_routing import forward_sites, make_problem, make_strategy  # noqa: E402
 
 
 def saved_bytes(variant: str, shape: str, tokens: int) -> int:
@@ -32,11 +31,7 @@ def saved_bytes(variant: str, shape: str, tokens: int) -> int:
 
     leaves = [y.detach().requires_grad_() for y in prob["ys"]]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        state = strat.begin(leaves[0])
-        for s in range(prob["n"] - 1):
-            x = strat.sublayer_input(state, s)
-            state = strat.sublayer_output(state, s, _Tie.apply(x, leaves[s + 1], prob["douts"][s]))
-        strat.final(state)
+        forward_sites(strat, leaves, prob["douts"])
     inputs = {leaf.untyped_storage().data_ptr() for leaf in leaves}
     return sum(n for ptr, n in storages.items() if ptr not in inputs)
 
