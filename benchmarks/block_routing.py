@@ -46,8 +46,7 @@ BLOCK_LAYERS = {"100M": 2, "350M": 3, "1B": 6, "tiny": 1}  # as benchmarks/train
 def make_strategy(shape_name, variant, dtype, config=None):
     d, L, H, _, _ = SHAPES[shape_name]
     backend = "torch" if variant.startswith("torch") else "triton"
-    knobs = dict(num_warps=config[0], tile_elements=config[1], unroll=config[2]) if config else {}
-    # config None: BlockRouting's defaults
+    knobs = dict(config or {})  # BlockRouting keywords; empty: its defaults
     strat = BlockAttnRes(heads=H, layers_per_block=BLOCK_LAYERS[shape_name], backend=backend,
                          triton_shared_buffer=variant != "triton_percall", triton_options=knobs,
                          two_phase=variant == "torch_two_phase")
@@ -198,10 +197,18 @@ def pow2(x):
 
 
 def parse_config(text):
+    """'default' -> None; 'WxTILExUNROLL' -> num_warps, tile_elements, unroll; 'key=value,...' -> those
+    BlockRouting keywords (integers), e.g. 'pass_tile_elements=2048,pass_unroll=2'."""
     if text == "default":
         return None
+    if "=" in text:
+        return {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
     warps, tile, unroll = (int(x) for x in text.split("x"))
-    return warps, tile, unroll
+    return dict(num_warps=warps, tile_elements=tile, unroll=unroll)
+
+
+def config_label(config):
+    return ",".join(f"{k}={v}" for k, v in config.items()) if config else "defaults"
 
 
 def main():
@@ -210,7 +217,8 @@ def main():
     parser.add_argument("--variants", nargs="+", default=["torch", "triton_percall", "triton"])
     parser.add_argument("--configs", nargs="+", default=["default"],
                         help="triton warps x tile elements x unroll: BlockRouting's num_warps (0: automatic), "
-                             "tile_elements, unroll; 'default': its defaults")
+                             "tile_elements, unroll; or key=value,... of any BlockRouting keywords; 'default': "
+                             "its defaults")
     parser.add_argument("--graph", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also per-kernel CUDA times of each triton config")
     parser.add_argument("--warmup", type=int, default=3)
@@ -229,8 +237,7 @@ def main():
             for config in (configs if variant == "triton" else [None]):
                 scale = args.tokens / (SHAPES[shape_name][3] * SHAPES[shape_name][4]) if args.tokens else 1.0
                 floor = scale * traffic_bytes(shape_name, 2) / bandwidth * 1e3
-                label = variant + (f" {config[0]}w/{config[1]}/u{config[2]}" if config else
-                                   (" defaults" if variant == "triton" else ""))
+                label = variant + (" " + config_label(config) if variant == "triton" else "")
                 checked = check(shape_name, variant, config)
                 ok = checked["fp32"]["ok"] and checked["bf16"]["ok"]
                 entry = dict(shape=shape_name, variant=variant, config=config, check=checked, floor_ms=floor)
@@ -270,9 +277,9 @@ def main():
         print(f"\n{shape_name} {label}: kernels {sum(k['ms'] for k in kernels.values()):.2f} ms")
         for name, k in list(kernels.items())[:8]:
             print(f"  {k['ms']:8.3f} ms  x{k['launches']:4d}  {name}")
-    print(f"\n{'shape':6s} {'variant':22s} {'eager ms':>10s} {'graph ms':>9s} {'floor ms':>9s}")
+    print(f"\n{'shape':6s} {'variant':44s} {'eager ms':>10s} {'graph ms':>9s} {'floor ms':>9s}")
     for row in rows:
-        print(f"{row[0]:6s} {row[1]:22s} {row[2]:>10s} {row[3]:>9s} {row[4]:>9s}")
+        print(f"{row[0]:6s} {row[1]:44s} {row[2]:>10s} {row[3]:>9s} {row[4]:>9s}")
 
 
 if __name__ == "__main__":

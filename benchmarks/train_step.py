@@ -7,7 +7,8 @@ Per (size, method): bf16 parameters and compute (the paper's bf16-true), the pap
 (100M: 8 x 2048, 350M: 4 x 1024, 1B: 2 x 1024), fused AdamW, loss as in LanguageModel. Warm-up steps
 first, then CUDA-event timing of each step, the methods of a size interleaved in rounds (see time_size);
 reports median ms/step, tokens/s, peak memory and the ratio to our baseline measured in the same process.
-"hf" is transformers' Qwen3ForCausalLM of the same shape.
+"hf" is transformers' Qwen3ForCausalLM of the same shape. A method may carry routing-class keywords, e.g.
+"block:pass_tile_elements=2048,pass_unroll=2", to time configs against the same baseline in one run.
 Writes JSON (device, versions, date, command) and prints a table last.
 """
 
@@ -35,8 +36,24 @@ MICROBATCH = {"100M": (8, 2048), "350M": (4, 1024), "1B": (2, 1024)}
 BLOCK_LAYERS = {"100M": 2, "350M": 3, "1B": 6}  # 6, 8 and 6 blocks (the paper's ceil rule gives the same)
 
 
+def parse_method(method: str) -> tuple[str, dict]:
+    """"block:pass_tile_elements=2048,pass_unroll=2" -> ("block", {...}): a method with routing-class keywords
+    (integers), so that configs of one method are timed in the same run against the same baseline."""
+    name, _, text = method.partition(":")
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not value.lstrip("-").isdigit():
+            raise SystemExit(f"method {method!r}: options must be key=integer pairs separated by commas")
+        options[key] = int(value)
+    return name, options
+
+
 def build(size: str, method: str, backend: str):
     cfg = ModelConfig.from_name(size)
+    method, options = parse_method(method)
+    if options and method not in ("mhar", "block"):
+        raise SystemExit(f"routing options are for the mhar and block methods, not {method!r}")
     if method == "hf":
         import transformers
 
@@ -49,9 +66,10 @@ def build(size: str, method: str, backend: str):
         return transformers.Qwen3ForCausalLM(hf_cfg)
     residual = {
         "baseline": lambda: StandardResidual(),
-        "mhar": lambda: FullAttnRes(heads=8, backend=backend),
+        "mhar": lambda: FullAttnRes(heads=8, backend=backend, triton_options=options),
         "single": lambda: FullAttnRes(heads=1, backend=backend),
-        "block": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend),
+        "block": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend,
+                                      triton_options=options),
         # the per-call kernel over a stack per site (the block path before the shared row buffer)
         "block_percall": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend,
                                               triton_shared_buffer=False),

@@ -22,15 +22,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mhar_lit.kernels._routing_kernels import (_dout_rows, _full_row_tile, _online_update, _pair_grads,
-                                               _query_grad_row, _query_grad_store, _query_grad_tile,
-                                               _rsqrt_mean_square, _to_storage)
+from mhar_lit.kernels._routing_kernels import (_dout_rows, _full_row_tile, _full_row_tile_at, _online_update,
+                                               _pair_grads, _pair_grads_per_head, _query_grad_kr, _query_grad_row,
+                                               _query_grad_store, _query_grad_tile, _rsqrt_mean_square, _to_storage)
 
 
 @triton.jit(do_not_specialize=["site", "n_blk", "span", "add_prev"])
 def _block_fwd_kernel(
     new_ptr, rows_ptr, r_ptr, w_ptr, out_ptr, lse_ptr, site, n_blk, span, add_prev, P, D, H, K, eps,
     BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr, UNROLL: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Site `site`: write its row R_s (new + R_{s-1} if add_prev) with its statistic, then the online softmax
     over the n_blk block rows j * span and R_s; writes out [P, D] and lse[site] [P, H]."""
@@ -51,7 +52,7 @@ def _block_fwd_kernel(
     m = tl.full([BLOCK_T, H_P], float("-inf"), ACC)
     l = tl.zeros([BLOCK_T, H_P], ACC)
     acc = tl.zeros([BLOCK_T, H_P, K_P], ACC)
-    for j in range(0, n_blk, UNROLL):  # UNROLL = 2: two rows' loads issued together
+    for j in tl.range(0, n_blk, UNROLL, num_stages=STAGES):  # UNROLL = 2: two rows' loads issued together
         row = j * span
         v = tl.load(rows_ptr + row * row_stride + tile, mask=mask, other=0.0).to(ACC)
         r = tl.load(r_ptr + row * P + offs_t, mask=mask_t, other=0.0)
@@ -137,61 +138,88 @@ def _block_pass_bwd_kernel(
     rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, g_ptr, dsrc_ptr,
     block, s_lo, n_slots, span, NB, P, D, H, K,
     LAST: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
+    SLOT_UNROLL: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Block `block` (sites s_lo .. s_lo + n_slots - 1: their douts in dout_ptrs[0 .. n_slots), their S in
-    S[0 .. n_slots)) is done. For each block row j <= block (buffer row j * span): its pairs with every site of
-    the block (each pair's dl into the dl table), summed with the coupling into G[j] for j < block (LAST: the
-    last block initialises G), and for j = block into dsrc with G[block]: that row is finished. (Its row
-    R_{s_lo + 1} does not contain it, so no chain comes in; the site before reads this dsrc as its chain.)"""
-    offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
+    S[0 .. n_slots)) is done. One program per token tile and block row j <= block (buffer row j * span; j
+    varies fastest, so the block + 1 programs of a tile run together and share its douts in L2): the row's
+    pairs with every site of the block (each pair's dl into the dl table), summed with the coupling into G[j]
+    for j < block (LAST: the last block initialises G), and for j = block into dsrc with G[block]: that row is
+    finished. (Its row R_{s_lo + 1} does not contain it, so no chain comes in; the site before reads this dsrc
+    as its chain.) SLOT_UNROLL = 2: two sites' loads issued together."""
+    j = tl.program_id(0) % (block + 1)
+    offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile_at(
+        tl.program_id(0) // (block + 1), P, D, H, K, BLOCK_T, H_P, K_P)
     zth = tl.arange(0, H_P)[None, :] * P + offs_t[:, None].to(tl.int64)
     row_stride = (tl.full([], 0, tl.int64) + P) * D
     store_ty = rows_ptr.dtype.element_ty
-    for j in range(0, block + 1):
-        v = tl.load(rows_ptr + j * span * row_stride + tile, mask=mask, other=0.0).to(ACC)
-        r = tl.load(r_ptr + j * span * P + offs_t, mask=mask_t, other=0.0)
-        kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
-        dv = tl.zeros([BLOCK_T, H_P, K_P], ACC)
-        c = tl.zeros([BLOCK_T], ACC)
-        for slot in range(0, n_slots):
-            dout = tl.load(_dout_rows(dout_ptrs_ptr, slot, slot < n_slots, store_ty) + tile, mask=mask,
-                           other=0.0).to(ACC)
-            S = tl.load(S_ptr + slot * P * H + th, mask=mask_th, other=0.0)
-            lse = tl.load(lse_ptr + (s_lo + slot) * P * H + th, mask=mask_th, other=0.0)
-            w_HK = tl.load(w_ptr + (s_lo + slot) * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
-            dv_s, dl, c_s = _pair_grads(v, kr, r, dout, w_HK, lse, S)
+    v = tl.load(rows_ptr + j * span * row_stride + tile, mask=mask, other=0.0).to(ACC)
+    r = tl.load(r_ptr + j * span * P + offs_t, mask=mask_t, other=0.0)
+    kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
+    dv = tl.zeros([BLOCK_T, H_P, K_P], ACC)
+    c = tl.zeros([BLOCK_T, H_P], ACC)  # per head; summed over the heads once, after the loop
+    for slot in tl.range(0, n_slots, SLOT_UNROLL, num_stages=STAGES):
+        dout, S, lse, w_HK = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot, s_lo, slot < n_slots,
+                                               tile, mask, th, mask_th, col_HK, mask_hk, P, D, H, store_ty, ACC)
+        if SLOT_UNROLL == 2:  # the second site's loads before the first's math; a site past the end adds 0
+            dout2, S2, lse2, w2 = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot + 1, s_lo,
+                                                    slot + 1 < n_slots, tile, mask, th, mask_th, col_HK, mask_hk,
+                                                    P, D, H, store_ty, ACC)
+        dv_s, dl, c_s = _pair_grads_per_head(v, kr, r, dout, w_HK, lse, S)
+        dv += dv_s
+        c += c_s
+        tl.store(dl_ptr + _dl_offsets(s_lo + slot, j, NB, P, H, zth), dl, mask=mask_th)
+        if SLOT_UNROLL == 2:
+            dv_s, dl, c_s = _pair_grads_per_head(v, kr, r, dout2, w2, lse2, S2)
             dv += dv_s
             c += c_s
-            # (the block's dl of row j gathered in registers and stored after the loop instead: sm_90 registers
-            # 143 / 160 / 94 -> 168 / 168 / 120; not kept)
-            tl.store(dl_ptr + _dl_offsets(s_lo + slot, j, NB, P, H, zth), dl, mask=mask_th)
-        dv -= (r * r * c / D)[:, None, None] * v
-        if not LAST:
-            dv += tl.load(g_ptr + j * row_stride + tile, mask=mask, other=0.0)
-        if j < block:
-            tl.store(g_ptr + j * row_stride + tile, dv, mask=mask)
-        else:
-            tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
+            tl.store(dl_ptr + _dl_offsets(s_lo + slot + 1, j, NB, P, H, zth), dl,
+                     mask=mask_th & (slot + 1 < n_slots))
+    dv -= (r * r * tl.sum(c, axis=1) / D)[:, None, None] * v
+    if not LAST:
+        dv += tl.load(g_ptr + j * row_stride + tile, mask=mask, other=0.0)
+    tl.store(g_ptr + j * row_stride + tile, dv, mask=mask & (j < block))
+    tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask & (j == block))
+
+
+@triton.jit
+def _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot, s_lo, ok, tile, mask, th, mask_th, col_HK,
+                      mask_hk, P, D, H, store_ty: tl.constexpr, ACC: tl.constexpr):
+    """dout, S, lse and w of the block's site `slot`; where not ok (past the block's end) dout = S = 0 and
+    lse = +inf, so that its pair is exactly zero (alpha = 0, dl = 0)."""
+    dout = tl.load(_dout_rows(dout_ptrs_ptr, slot, ok, store_ty) + tile, mask=mask & ok, other=0.0).to(ACC)
+    S = tl.load(S_ptr + slot * P * H + th, mask=mask_th & ok, other=0.0)
+    lse = tl.load(lse_ptr + (s_lo + slot) * P * H + th, mask=mask_th & ok, other=float("inf"))
+    w_HK = tl.load(w_ptr + (s_lo + slot) * D + col_HK, mask=mask_hk & ok, other=0.0).to(ACC)
+    return dout, S, lse, w_HK
 
 
 @triton.jit(do_not_specialize=["span"])
 def _block_query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, NB, span, P, D, H, K,
                              BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
-                             PREC: tl.constexpr):
+                             PREC: tl.constexpr, STAGES: tl.constexpr):
     """A_s = sum over the rows s routes over and the tokens of dl(s, row) kr_row, per head, once at the end of
-    the backward. Row rho is a block row (rho = j * span < N - 1: read by the sites rho..N-1, dl slot j) or a
-    partial sum (read by site rho only, dl slot NB). One program: a token block, a head and a K_B-wide column
-    slice; per row a dl [sites, BLOCK_T] @ kr [BLOCK_T, K_B] tensor-core product; its partial a[pid_t, sites,
-    columns] is summed over token blocks on the host in a fixed order (as _query_grad_kernel)."""
+    the backward. One program: a token block, a head and a K_B-wide column slice. A block row rho = j * span
+    < N - 1 is read by the sites rho..N-1 (dl slot j): a dl [sites, BLOCK_T] @ kr [BLOCK_T, K_B] tensor-core
+    product. Any other row is a partial sum read by site rho only (dl slot NB): that site's dl [BLOCK_T] times
+    kr, summed over the tokens on CUDA cores into the site's row of the partial (as a tensor-core product all
+    rows but one would be zero: at 1B, 67 of the 73 rows, each a [128, 64] @ [64, 32] product in two bf16
+    terms). The partial a[pid_t, sites, columns] is summed over token blocks on the host in a fixed order
+    (as _query_grad_kernel)."""
     h = tl.program_id(1)
     offs_t, mask_t, offs_s, col, mask_b, tile, mask = _query_grad_tile(P, D, K, BLOCK_T, K_B, S_P)
     a = tl.zeros([S_P, K_B], ACC)
     # each site's dl rows of head h, slot 0 (sm_90: 151 -> 138 registers at 350M, 1B's 8-byte spill gone)
     dl_sites = dl_ptr + h * P + (offs_s.to(tl.int64) * (NB + 1) * H * P)[:, None] + offs_t[None, :]
-    for rho in range(0, N):
-        is_block = (rho % span == 0) & (rho < N - 1)
-        slot = tl.where(is_block, rho // span, NB)
-        mask_s = (offs_s >= rho) & (offs_s < N) & (is_block | (offs_s == rho))
-        dl = tl.load(dl_sites + slot * H * P, mask=mask_s[:, None] & mask_t[None, :], other=0.0)
+    for j in range(0, NB):
+        rho = j * span
+        mask_s = (offs_s >= rho) & (offs_s < N)
+        dl = tl.load(dl_sites + j * H * P, mask=mask_s[:, None] & mask_t[None, :], other=0.0)
         a = _query_grad_row(rows_ptr, r_ptr, rho, dl, a, offs_t, mask_t, tile, mask, P, D, ACC, PREC)
+    own_dl = dl_ptr + (NB * H + h) * P + offs_t  # slot NB of site 0, head h
+    for rho in tl.range(1, N, num_stages=STAGES):  # a block row's loads masked off (its slot NB is not written)
+        partial = (rho % span != 0) | (rho == N - 1)
+        dl = tl.load(own_dl + (tl.full([], 0, tl.int64) + rho) * (NB + 1) * H * P, mask=mask_t & partial, other=0.0)
+        kr = _query_grad_kr(rows_ptr, r_ptr, rho, offs_t, mask_t & partial, tile, mask & partial, P, D, ACC)
+        a += tl.where(offs_s[:, None] == rho, tl.sum(dl[:, None] * kr, axis=0)[None, :], 0.0)
     _query_grad_store(a_ptr, a, N, offs_s, col, mask_b, D)

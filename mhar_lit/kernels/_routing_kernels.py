@@ -71,7 +71,13 @@ def _rsqrt_mean_square(v, D, eps):
 @triton.jit
 def _full_row_tile(P, D, H, K, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr):
     """This program's [BLOCK_T, H_P, K_P] tile of full rows: offsets into a [P, D] row and masks."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    return _full_row_tile_at(tl.program_id(0), P, D, H, K, BLOCK_T, H_P, K_P)
+
+
+@triton.jit
+def _full_row_tile_at(tile_id, P, D, H, K, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr):
+    """_full_row_tile of token tile `tile_id` (programs that map their id to a tile and something else)."""
+    offs_t = tile_id * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.arange(0, H_P)
     offs_k = tl.arange(0, K_P)
     mask_t = offs_t < P
@@ -400,11 +406,19 @@ def _pair_grads(v, kr, r, dout, w_HK, lse, S):
     """One (site, source) pair on full-row tiles: the source gradient before the RMSNorm coupling (value path +
     per-head key path: alpha dout + r dl w), the pair's dl [BLOCK_T, H_P] and its coupling sum_h dl logit
     [BLOCK_T]."""
+    dv, dl, c_th = _pair_grads_per_head(v, kr, r, dout, w_HK, lse, S)
+    return dv, dl, tl.sum(c_th, axis=1)
+
+
+@triton.jit
+def _pair_grads_per_head(v, kr, r, dout, w_HK, lse, S):
+    """_pair_grads with the coupling per head, dl logit [BLOCK_T, H_P], not yet summed over the heads (a sum
+    that crosses warps: a loop over pairs sums it once, after the loop)."""
     logit = tl.sum(kr * w_HK[None, :, :], axis=2)  # [BLOCK_T, H_P]
     alpha = tl.exp(logit - lse)
     dl = alpha * (tl.sum(dout * v, axis=2) - S)
     dv = alpha[:, :, None] * dout + (dl * r[:, None])[:, :, None] * w_HK[None, :, :]
-    return dv, dl, tl.sum(dl * logit, axis=1)
+    return dv, dl, dl * logit
 
 
 @triton.jit
@@ -1017,11 +1031,17 @@ def _query_grad_row(rows_ptr, r_ptr, row, dl, a, offs_t, mask_t, tile, mask, P, 
                     PREC: tl.constexpr):
     """a + dl [sites, BLOCK_T] @ kr [BLOCK_T, K_B] of buffer row `row` on tensor cores."""
     store_ty = rows_ptr.dtype.element_ty
+    kr = _query_grad_kr(rows_ptr, r_ptr, row, offs_t, mask_t, tile, mask, P, D, ACC)
+    return _mma_weights(dl, _mma_operand(kr, store_ty, ACC), a, store_ty, ACC, PREC)  # kr exact in storage
+
+
+@triton.jit
+def _query_grad_kr(rows_ptr, r_ptr, row, offs_t, mask_t, tile, mask, P, D, ACC: tl.constexpr):
+    """The [BLOCK_T, K_B] key tile kr (rounded to the storage dtype, as the forward's) of buffer row `row`."""
     row_stride = (tl.full([], 0, tl.int64) + P) * D
     r = tl.load(r_ptr + row * P + offs_t, mask=mask_t, other=0.0).to(ACC)
     v = tl.load(rows_ptr + row * row_stride + tile, mask=mask, other=0.0).to(ACC)
-    kr = _mma_operand(_to_storage(v * r[:, None], store_ty), store_ty, ACC)  # exact in the storage dtype
-    return _mma_weights(dl, kr, a, store_ty, ACC, PREC)
+    return _to_storage(v * r[:, None], rows_ptr.dtype.element_ty).to(ACC)
 
 
 @triton.jit

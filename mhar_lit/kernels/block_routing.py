@@ -49,6 +49,10 @@ UNROLL_CHOICES = (1, 2)  # block rows whose loads the forward's loop issues toge
 # tensor-core pass over every pair's dl instead of per-program partials of every site (at 1B, one token per
 # program, those were twice the bytes of the row, per site). Traffic model (benchmarks/block_routing.py
 # traffic_bytes): see benchmarks/results/block_routing.md.
+# Loops over rows / sites are software-pipelined (Triton's num_stages on tl.range: the next iterations' loads
+# go out as asynchronous copies while this one computes); Triton does that for a loop without a dot only when
+# the loop asks for it. 1: not pipelined.
+DEFAULT_STAGES = 3
 QUERY_GRAD_TOKENS = 64  # tokens per program of the dq/dg pass (as FullRouting's DOT_TOKENS)
 
 
@@ -62,7 +66,8 @@ class BlockRouting:
 
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int, span: int,
                  eps: float = 1e-6, num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE,
-                 unroll: int = 1) -> None:
+                 unroll: int = 1, pass_warps: int = 0, pass_tile_elements: int = 0, pass_unroll: int = 1,
+                 stages: int = DEFAULT_STAGES) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -75,11 +80,15 @@ class BlockRouting:
         if span < 2 or span % 2 or (n - 1) % span:
             raise ValueError(f"sites per block ({span}) must be an even number that divides the {n - 1} "
                              "layer sites")
-        if unroll not in UNROLL_CHOICES:
-            raise ValueError(f"unroll must be one of {UNROLL_CHOICES}, got {unroll}")
-        if num_warps < 0 or tile_elements < 1:
-            raise ValueError(f"num_warps ({num_warps}) must be >= 0 (0: automatic) and tile_elements "
-                             f"({tile_elements}) positive")
+        for name, value in (("unroll", unroll), ("pass_unroll", pass_unroll)):
+            if value not in UNROLL_CHOICES:
+                raise ValueError(f"{name} must be one of {UNROLL_CHOICES}, got {value}")
+        if stages < 1:
+            raise ValueError(f"stages must be >= 1 (1: loops not software-pipelined), got {stages}")
+        if num_warps < 0 or tile_elements < 1 or pass_warps < 0 or pass_tile_elements < 0:
+            raise ValueError(f"num_warps ({num_warps}) and pass_warps ({pass_warps}) must be >= 0 (0: automatic), "
+                             f"tile_elements ({tile_elements}) positive and pass_tile_elements "
+                             f"({pass_tile_elements}) >= 0 (0: tile_elements)")
         check_storage_dtype(embedding_BTD.dtype)
         check_device(embedding_BTD, query_SD, norm_weight_SD)
         self.unroll = unroll
@@ -91,6 +100,12 @@ class BlockRouting:
         self.block_t = tile_tokens(self.h_p * self.k_p, tile_elements)
         self.programs = triton.cdiv(self.p, self.block_t)
         self.num_warps = num_warps or (8 if self.block_t == 1 else 4)
+        # the block pass may tile differently (its programs hold more state: a row, its keys, dv and a dout)
+        self.pass_block_t = tile_tokens(self.h_p * self.k_p, pass_tile_elements or tile_elements)
+        self.pass_programs = triton.cdiv(self.p, self.pass_block_t)
+        self.pass_warps = pass_warps or (8 if self.pass_block_t == 1 else 4)
+        self.pass_unroll = pass_unroll
+        self.stages = stages
         self.k_b = 32 if self.k >= 32 else 16  # column slice of the dq/dg pass (as FullRouting's)
         self.prec = "ieee" if self.acc_t == torch.float64 else "tf32x3"  # fp32-accurate tensor-core dots
         self.param_dtypes = (query_SD.dtype, norm_weight_SD.dtype)
@@ -165,7 +180,7 @@ class BlockRouting:
         launch(kern._block_fwd_kernel, (self.programs,),
             new, self.rows, self.r, self.w_SD, out_PD, self.lse,
             site, self.block_rows_before(site), self.span, add_prev, self.p, d, self.heads, self.k, self.eps,
-            BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.unroll,
+            BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.unroll, STAGES=self.stages,
             num_warps=self.num_warps, key=(self._key, new.dtype, aligned(new)),
         )
         self.next_site += 1
@@ -222,11 +237,11 @@ class BlockRouting:
         if not start:
             return
         slots = (n - s0) if block == blocks - 1 else self.span
-        launch(kern._block_pass_bwd_kernel, (self.programs,),
+        launch(kern._block_pass_bwd_kernel, (self.pass_programs * (block + 1),),  # a program per tile and row
             self.rows, self.r, self.w_SD, self.lse, bw["dout_ptrs"], bw["S"], bw["dl"], bw["G"], dsrc_PD,
             block, s0, slots, self.span, blocks, *dims,
-            LAST=block == blocks - 1, BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
-            num_warps=self.num_warps, key=self._key,
+            LAST=block == blocks - 1, BLOCK_T=self.pass_block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
+            SLOT_UNROLL=self.pass_unroll, STAGES=self.stages, num_warps=self.pass_warps, key=self._key,
         )
         bw["douts"] = [None] * len(bw["douts"])  # the block's douts are read; the block before fills the table
 
@@ -239,6 +254,7 @@ class BlockRouting:
             self.rows, self.r, bw["dl"], a_part, n, self.block_rows_before(n - 1), self.span, p, d, self.heads,
             self.k,
             BLOCK_T=QUERY_GRAD_TOKENS, K_B=self.k_b, S_P=max(16, pow2(n)), ACC=self.acc_tl, PREC=self.prec,
+            STAGES=self.stages,
             num_warps=4, key=self._key,
         )
         return a_part.sum(0)

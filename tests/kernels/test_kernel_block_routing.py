@@ -119,13 +119,18 @@ def test_tiling_and_repeats_change_nothing():
     base = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32)
     again = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(base, again))
-    for tile, warps, unroll in ((16, 1, 1), (64, 2, 2), (4096, 4, 2), (4096, 0, 1)):
-        # 1, 4 and all 15 tokens per program
+    # 1, 4 and all 15 tokens per program; the block pass with its own tile and two sites per step (the last
+    # block has 5 sites here: an odd count, so its final step has a site past the end)
+    configs = ((16, 1, 1, {}), (64, 2, 2, {}), (4096, 4, 2, {}), (4096, 0, 1, {}),
+               (64, 2, 1, dict(pass_tile_elements=16, pass_unroll=2)),
+               (16, 1, 2, dict(pass_tile_elements=4096, pass_warps=2, pass_unroll=2)),
+               (64, 2, 1, dict(stages=1)))  # loops not software-pipelined (the interpreter ignores stages)
+    for tile, warps, unroll, pass_knobs in configs:
         got = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32, tile_elements=tile,
-                                          num_warps=warps, unroll=unroll)
+                                          num_warps=warps, unroll=unroll, **pass_knobs)
         for name, a, b in zip(NAMES, got, base):
-            assert rel(a, b) <= 1e-6, (
-                f"tile {tile} unroll {unroll} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})")
+            assert rel(a, b) <= 1e-6, (f"tile {tile} unroll {unroll} {pass_knobs} {name}: {rel(a, b):.1e} "
+                                       f"(seed {gen.initial_seed()})")
 
 
 def test_second_backward_of_a_retained_graph_and_state_release():
@@ -160,6 +165,12 @@ def test_order_and_input_errors_are_named():
         BlockRouting(x, q, q, 3, span=2)
     with pytest.raises(ValueError, match="unroll must be one of"):
         BlockRouting(x, q, q, 2, span=2, unroll=3)
+    with pytest.raises(ValueError, match="pass_unroll must be one of"):
+        BlockRouting(x, q, q, 2, span=2, pass_unroll=4)
+    with pytest.raises(ValueError, match="pass_tile_elements"):
+        BlockRouting(x, q, q, 2, span=2, pass_tile_elements=-1)
+    with pytest.raises(ValueError, match="stages must be"):
+        BlockRouting(x, q, q, 2, span=2, stages=0)
     with pytest.raises(ValueError, match="num_warps"):
         BlockRouting(x, q, q, 2, span=2, num_warps=-1)
     routing = BlockRouting(x, q, q, 2, span=2)
