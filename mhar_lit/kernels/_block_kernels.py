@@ -33,20 +33,11 @@ def _block_fwd_kernel(
     BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr, UNROLL: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    """Site `site`: write its row R_s (new + R_{s-1} if add_prev) with its statistic, then the online softmax
-    over the n_blk block rows j * span and R_s; writes out [P, D] and lse[site] [P, H]."""
+    """Site `site`: the online softmax over the n_blk block rows j * span, then its row R_s (new + R_{s-1} if
+    add_prev) written with its statistic and folded in last; writes out [P, D] and lse[site] [P, H]."""
     offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
     store_ty = rows_ptr.dtype.element_ty
-
-    own = tl.load(new_ptr + tile, mask=mask, other=0.0).to(ACC)
-    prev_row = tl.maximum(site - 1, 0)
-    own += tl.load(rows_ptr + prev_row * row_stride + tile, mask=mask & (add_prev != 0), other=0.0).to(ACC)
-    own = _to_storage(own, store_ty)
-    tl.store(rows_ptr + site * row_stride + tile, own, mask=mask)
-    own = own.to(ACC)
-    r_own = _rsqrt_mean_square(own, D, eps)
-    tl.store(r_ptr + site * P + offs_t, r_own, mask=mask_t)
 
     w_HK = tl.load(w_ptr + site * D + col_HK, mask=mask_hk, other=0.0).to(ACC)
     m = tl.full([BLOCK_T, H_P], float("-inf"), ACC)
@@ -64,6 +55,17 @@ def _block_fwd_kernel(
             m, l, acc = _online_update_if(v2, r2, second, w_HK, m, l, acc, store_ty)
         else:
             m, l, acc = _online_update(v, r, w_HK, m, l, acc, store_ty)
+    # the own row after the block rows (the loop reads no row >= site): the loop's pipelined loads start at once
+    # and the row is not held in registers through the loop
+    own = tl.load(new_ptr + tile, mask=mask, other=0.0).to(ACC)
+    prev_row = tl.maximum(site - 1, 0)
+    own += tl.load(rows_ptr + prev_row * row_stride + tile, mask=mask & (add_prev != 0), other=0.0).to(ACC)
+    own = _to_storage(own, store_ty)
+    tl.store(rows_ptr + site * row_stride + tile, own, mask=mask)
+    own = own.to(ACC)
+    r_own = _rsqrt_mean_square(own, D, eps)
+    tl.store(r_ptr + site * P + offs_t, r_own, mask=mask_t)
+
     m, l, acc = _online_update(own, r_own, w_HK, m, l, acc, store_ty)
 
     out = acc / l[:, :, None]
