@@ -49,10 +49,19 @@ UNROLL_CHOICES = (1, 2)  # block rows whose loads the forward's loop issues toge
 # tensor-core pass over every pair's dl instead of per-program partials of every site (at 1B, one token per
 # program, those were twice the bytes of the row, per site). Traffic model (benchmarks/block_routing.py
 # traffic_bytes): see benchmarks/results/block_routing.md.
-# Loops over rows / sites are software-pipelined (Triton's num_stages on tl.range: the next iterations' loads
-# go out as asynchronous copies while this one computes); Triton does that for a loop without a dot only when
-# the loop asks for it. 1: not pipelined.
-DEFAULT_STAGES = 3
+# Software pipelining (Triton's num_stages on tl.range: the next iterations' loads go out as asynchronous copies
+# into shared memory while this one computes; Triton does it for a loop without a dot only when the loop asks).
+# H200, 2026-12-05 (session 16, call 2, CUDA graph, per-kernel times; benchmarks/results/block_routing.md):
+# forward's block-row loop with 3 stages 0.855 / 1.131 / 1.743 ms against 0.926 / 1.203 / 1.333 unpipelined
+# (100M / 350M / 1B): pipelined where a program holds >= 4 tokens (at 1B, 2 tokens, it loses); the block
+# pass's site loop lost with every stage count (3: 1.245 / 1.496 / 1.595 against 1.197 / 1.457 / 1.755 at 4
+# warps; with 8 warps 1.210 / 1.384 / 1.882 against call 1's unpipelined 1.087 / 1.303 / 1.375), so it is not
+# pipelined; the dq/dg pass's partial-row loop with 3 stages 0.335 / 0.308 / 0.342 against 0.387 / 0.393 / 0.456.
+# stages=0: these defaults; a number: that many stages for all three loops (1: none).
+PIPELINED_FORWARD_MIN_TOKENS = 4
+PIPELINE_STAGES = 3
+# the block pass: 8 warps (call 1, unpipelined: 1.087 / 1.303 / 1.375 ms against 4 warps' 1.197 / 1.457 / 1.755)
+DEFAULT_PASS_WARPS = 8
 QUERY_GRAD_TOKENS = 64  # tokens per program of the dq/dg pass (as FullRouting's DOT_TOKENS)
 
 
@@ -67,7 +76,7 @@ class BlockRouting:
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int, span: int,
                  eps: float = 1e-6, num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE,
                  unroll: int = 1, pass_warps: int = 0, pass_tile_elements: int = 0, pass_unroll: int = 1,
-                 stages: int = DEFAULT_STAGES) -> None:
+                 stages: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -83,8 +92,8 @@ class BlockRouting:
         for name, value in (("unroll", unroll), ("pass_unroll", pass_unroll)):
             if value not in UNROLL_CHOICES:
                 raise ValueError(f"{name} must be one of {UNROLL_CHOICES}, got {value}")
-        if stages < 1:
-            raise ValueError(f"stages must be >= 1 (1: loops not software-pipelined), got {stages}")
+        if stages < 0:
+            raise ValueError(f"stages must be >= 0 (0: automatic, 1: loops not software-pipelined), got {stages}")
         if num_warps < 0 or tile_elements < 1 or pass_warps < 0 or pass_tile_elements < 0:
             raise ValueError(f"num_warps ({num_warps}) and pass_warps ({pass_warps}) must be >= 0 (0: automatic), "
                              f"tile_elements ({tile_elements}) positive and pass_tile_elements "
@@ -103,9 +112,11 @@ class BlockRouting:
         # the block pass may tile differently (its programs hold more state: a row, its keys, dv and a dout)
         self.pass_block_t = tile_tokens(self.h_p * self.k_p, pass_tile_elements or tile_elements)
         self.pass_programs = triton.cdiv(self.p, self.pass_block_t)
-        self.pass_warps = pass_warps or (8 if self.pass_block_t == 1 else 4)
+        self.pass_warps = pass_warps or DEFAULT_PASS_WARPS
         self.pass_unroll = pass_unroll
-        self.stages = stages
+        self.fwd_stages = stages or (PIPELINE_STAGES if self.block_t >= PIPELINED_FORWARD_MIN_TOKENS else 1)
+        self.pass_stages = stages or 1
+        self.query_grad_stages = stages or PIPELINE_STAGES
         self.k_b = 32 if self.k >= 32 else 16  # column slice of the dq/dg pass (as FullRouting's)
         self.prec = "ieee" if self.acc_t == torch.float64 else "tf32x3"  # fp32-accurate tensor-core dots
         self.param_dtypes = (query_SD.dtype, norm_weight_SD.dtype)
@@ -180,7 +191,8 @@ class BlockRouting:
         launch(kern._block_fwd_kernel, (self.programs,),
             new, self.rows, self.r, self.w_SD, out_PD, self.lse,
             site, self.block_rows_before(site), self.span, add_prev, self.p, d, self.heads, self.k, self.eps,
-            BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.unroll, STAGES=self.stages,
+            BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.unroll,
+            STAGES=self.fwd_stages,
             num_warps=self.num_warps, key=(self._key, new.dtype, aligned(new)),
         )
         self.next_site += 1
@@ -241,7 +253,7 @@ class BlockRouting:
             self.rows, self.r, self.w_SD, self.lse, bw["dout_ptrs"], bw["S"], bw["dl"], bw["G"], dsrc_PD,
             block, s0, slots, self.span, blocks, *dims,
             LAST=block == blocks - 1, BLOCK_T=self.pass_block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
-            SLOT_UNROLL=self.pass_unroll, STAGES=self.stages, num_warps=self.pass_warps, key=self._key,
+            SLOT_UNROLL=self.pass_unroll, STAGES=self.pass_stages, num_warps=self.pass_warps, key=self._key,
         )
         bw["douts"] = [None] * len(bw["douts"])  # the block's douts are read; the block before fills the table
 
@@ -254,7 +266,7 @@ class BlockRouting:
             self.rows, self.r, bw["dl"], a_part, n, self.block_rows_before(n - 1), self.span, p, d, self.heads,
             self.k,
             BLOCK_T=QUERY_GRAD_TOKENS, K_B=self.k_b, S_P=max(16, pow2(n)), ACC=self.acc_tl, PREC=self.prec,
-            STAGES=self.stages,
+            STAGES=self.query_grad_stages,
             num_warps=4, key=self._key,
         )
         return a_part.sum(0)

@@ -170,7 +170,7 @@ def test_order_and_input_errors_are_named():
     with pytest.raises(ValueError, match="pass_tile_elements"):
         BlockRouting(x, q, q, 2, span=2, pass_tile_elements=-1)
     with pytest.raises(ValueError, match="stages must be"):
-        BlockRouting(x, q, q, 2, span=2, stages=0)
+        BlockRouting(x, q, q, 2, span=2, stages=-1)
     with pytest.raises(ValueError, match="num_warps"):
         BlockRouting(x, q, q, 2, span=2, num_warps=-1)
     routing = BlockRouting(x, q, q, 2, span=2)
