@@ -218,7 +218,7 @@ class BlockAttnRes(RoutedResidual):
         self.layers_per_block = layers_per_block
         self.two_phase = two_phase  # SPEC D's two-phase computation on the torch backend
         self.triton_shared_buffer = triton_shared_buffer  # False: the per-call kernel on stacked sources
-        self.triton_options = dict(triton_options or {})  # BlockRouting keywords (num_warps, tile_elements)
+        self.triton_options = dict(triton_options or {})  # BlockRouting keywords (tiles, warps, stages)
 
     def build(self, config: ModelConfig) -> None:
         if config.num_layers % self.layers_per_block != 0:
