@@ -35,7 +35,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from routing import DEVICE, SHAPES, _Tie, copy_bandwidth, cuda_event_times, cuda_kernel_totals, rel  # noqa: E402
+from routing import (DEVICE, SHAPES, _Tie, copy_bandwidth, cuda_event_times, cuda_kernel_totals,  # noqa: E402
+                     parse_options, rel)
 
 from mhar_lit.config import ModelConfig  # noqa: E402
 from mhar_lit.residual import BlockAttnRes  # noqa: E402
@@ -202,7 +203,7 @@ def parse_config(text):
     if text == "default":
         return None
     if "=" in text:
-        return {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
+        return parse_options(text, f"--configs {text}")
     warps, tile, unroll = (int(x) for x in text.split("x"))
     return dict(num_warps=warps, tile_elements=tile, unroll=unroll)
 

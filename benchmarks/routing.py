@@ -104,6 +104,18 @@ def grads_of(leaves):
     return [torch.stack([leaf.grad for leaf in leaves[:n]]), leaves[n].grad, leaves[n + 1].grad]
 
 
+def parse_options(text: str, context: str) -> dict:
+    """'key=value,key=value' (integer values) -> routing-class keywords; `context` names the argument in errors.
+    Shared by block_routing.py --configs and train_step.py's "method:options"."""
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not value.lstrip("-").isdigit():
+            raise SystemExit(f"{context}: options must be key=integer pairs separated by commas, got {item!r}")
+        options[key] = int(value)
+    return options
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()

@@ -27,10 +27,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mhar_lit.config import ModelConfig  # noqa: E402
 from mhar_lit.models.decoder import DecoderLM  # noqa: E402
 from mhar_lit.residual import BlockAttnRes, FullAttnRes, StandardResidual  # noqa: E402
+from routing import parse_options  # noqa: E402
 
 MICROBATCH = {"100M": (8, 2048), "350M": (4, 1024), "1B": (2, 1024)}
 BLOCK_LAYERS = {"100M": 2, "350M": 3, "1B": 6}  # 6, 8 and 6 blocks (the paper's ceil rule gives the same)
@@ -40,13 +42,7 @@ def parse_method(method: str) -> tuple[str, dict]:
     """"block:pass_tile_elements=2048,pass_unroll=2" -> ("block", {...}): a method with routing-class keywords
     (integers), so that configs of one method are timed in the same run against the same baseline."""
     name, _, text = method.partition(":")
-    options = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or not value.lstrip("-").isdigit():
-            raise SystemExit(f"method {method!r}: options must be key=integer pairs separated by commas")
-        options[key] = int(value)
-    return name, options
+    return name, parse_options(text, f"method {method!r}")
 
 
 def build(size: str, method: str, backend: str):
