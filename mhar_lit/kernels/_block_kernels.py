@@ -222,6 +222,6 @@ def _block_query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, NB, span, P, D, 
     for rho in tl.range(1, N, num_stages=STAGES):  # a block row's loads masked off (its slot NB is not written)
         partial = (rho % span != 0) | (rho == N - 1)
         dl = tl.load(own_dl + (tl.full([], 0, tl.int64) + rho) * (NB + 1) * H * P, mask=mask_t & partial, other=0.0)
-        kr = _query_grad_kr(rows_ptr, r_ptr, rho, offs_t, mask_t & partial, tile, mask & partial, P, D, ACC)
+        kr = _query_grad_kr(rows_ptr, r_ptr, rho, offs_t, mask_t & partial, tile, mask & partial, P, D, ACC).to(ACC)
         a += tl.where(offs_s[:, None] == rho, tl.sum(dl[:, None] * kr, axis=0)[None, :], 0.0)
     _query_grad_store(a_ptr, a, N, offs_s, col, mask_b, D)

@@ -1032,16 +1032,16 @@ def _query_grad_row(rows_ptr, r_ptr, row, dl, a, offs_t, mask_t, tile, mask, P, 
     """a + dl [sites, BLOCK_T] @ kr [BLOCK_T, K_B] of buffer row `row` on tensor cores."""
     store_ty = rows_ptr.dtype.element_ty
     kr = _query_grad_kr(rows_ptr, r_ptr, row, offs_t, mask_t, tile, mask, P, D, ACC)
-    return _mma_weights(dl, _mma_operand(kr, store_ty, ACC), a, store_ty, ACC, PREC)  # kr exact in storage
+    return _mma_weights(dl, _mma_operand(kr, store_ty, ACC), a, store_ty, ACC, PREC)
 
 
 @triton.jit
 def _query_grad_kr(rows_ptr, r_ptr, row, offs_t, mask_t, tile, mask, P, D, ACC: tl.constexpr):
-    """The [BLOCK_T, K_B] key tile kr (rounded to the storage dtype, as the forward's) of buffer row `row`."""
+    """The [BLOCK_T, K_B] key tile kr of buffer row `row`, in the storage dtype (as the forward rounds it)."""
     row_stride = (tl.full([], 0, tl.int64) + P) * D
     r = tl.load(r_ptr + row * P + offs_t, mask=mask_t, other=0.0).to(ACC)
     v = tl.load(rows_ptr + row * row_stride + tile, mask=mask, other=0.0).to(ACC)
-    return _to_storage(v * r[:, None], rows_ptr.dtype.element_ty).to(ACC)
+    return _to_storage(v * r[:, None], rows_ptr.dtype.element_ty)
 
 
 @triton.jit
