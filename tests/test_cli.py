@@ -118,7 +118,12 @@ def test_fit_tracks_in_mlflow_and_resume_reproduces_losses(tmp_path, monkeypatch
     assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 8
     # throughput: one value per 2-step window after the 2 warm-up steps, none re-emitted
     speed = client.get_metric_history(run.info.run_id, "train/tokens_per_s")
-    assert sorted(m.step for m in speed) == [4, 6, 8] and all(m.value > 0 for m in speed)
+    # (after optimizer steps 4, 6, 8, logged at Lightning's steps of those batches, where their losses are)
+    assert sorted(m.step for m in speed) == [3, 5, 7] and all(m.value > 0 for m in speed)
+    loss_steps = {m.step for m in client.get_metric_history(run.info.run_id, "train/loss")}
+    assert {m.step for m in speed} <= loss_steps
+    entropy = next(k for k in run.data.metrics if k.startswith("routing/entropy/site004_h3"))
+    assert {m.step for m in client.get_metric_history(run.info.run_id, entropy)} <= loss_steps
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "routing", "checkpoints"} <= artifacts
     heatmaps = [a.path for a in client.list_artifacts(run.info.run_id, "routing")]

@@ -23,9 +23,19 @@ def training_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     return 6.0 * matmul_params + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
 
 
+def lightning_step(trainer: L.Trainer) -> int:
+    """The step at which Lightning logs the `self.log` metrics of the batch that just finished (its loss, lr,
+    grad norm): the optimizer steps taken before that batch. In on_train_batch_end after an optimizer step,
+    trainer.global_step already counts that step, so it is one more; metrics logged at it would sit one step
+    to the right of the loss of the same batch in MLflow's charts."""
+    return max(trainer.global_step - 1, 0)
+
+
 class SpeedMonitor(L.Callback):
     """Logs train/tokens_per_s, train/mfu (against `peak_tflops`, e.g. 989 for H100/H200 dense bf16) and
-    train/peak_mem_gb every `every_n_steps` optimizer steps; the first `skip_steps` steps are warm-up.
+    train/peak_mem_gb every `every_n_steps` optimizer steps; the first `skip_steps` steps are warm-up. Values
+    are logged at the step of the window's last batch as Lightning numbers it (`lightning_step`), next to that
+    batch's loss.
 
     The pause for a validation pass inside a window is left out, from validation start until training resumes
     (so a checkpoint saved at validation end is left out too; a window that held one used to read ~30% low),
@@ -66,7 +76,7 @@ class SpeedMonitor(L.Callback):
         if pl_module.device.type == "cuda":
             metrics["train/peak_mem_gb"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics(metrics, step=lightning_step(trainer))
         self._t0, self._tokens = time.perf_counter(), 0
 
     def on_validation_start(self, trainer, pl_module) -> None:
@@ -136,7 +146,9 @@ class RoutingMonitor(L.Callback):
     """Every `every_n_steps`, logs routing entropy per site/head and a heatmap figure to the logger.
 
     Runs one extra no-grad forward on the first `max_sequences` sequences of the current batch; a no-op for
-    strategies without depth routing. The time it takes is logged as routing/monitor_ms.
+    strategies without depth routing. The time it takes is logged as routing/monitor_ms. Metrics are logged at
+    Lightning's step of the batch (`lightning_step`); figures are named by the optimizer steps done
+    (heatmap_step0000100.png after 100 steps, logged at step 99 like that batch's loss).
     """
 
     def __init__(self, every_n_steps: int = 100, max_sequences: int = 2, log_heatmaps: bool = True) -> None:
@@ -187,7 +199,7 @@ class RoutingMonitor(L.Callback):
                 metrics[f"routing/entropy/site{site:03d}_h{head}"] = value
         metrics["routing/monitor_ms"] = (time.perf_counter() - start) * 1e3
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics(metrics, step=lightning_step(trainer))
         if self.log_heatmaps:
             name = "final" if final else f"step{step:07d}"
             log_figure(trainer, routing_heatmap(recorded, f"routing weights, {name}"), f"routing/heatmap_{name}.png")
