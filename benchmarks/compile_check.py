@@ -6,7 +6,7 @@ the tensor cores refuse) before any GPU time is spent, and reports registers, sp
 the number of asynchronous-copy instructions (nonzero where Triton software-pipelined a loop's loads) per kernel.
 
     python benchmarks/compile_check.py [--shapes 100M 350M 1B] [--dtype bf16|fp32] [--arch 90]
-                                       [--mode full|block] [knob=value ...]  (the routing class's keywords,
+                                       [--mode full|block] [--sass DIR] [knob=value ...]  (the routing class's keywords,
                                                                              e.g. suffix_impl=fma)
 
 Run without TRITON_INTERPRET (the interpreter replaces the kernels). Exit status 1 if any kernel fails.
@@ -107,8 +107,18 @@ def _usage(cubin: bytes) -> str:
     return f"regs {m.group(1)} spill stack {m.group(2)}" if m else "usage unknown"
 
 
-def compile_all(shape_names, dtype, knobs, arch=90, mode="full"):
-    """Compile each distinct kernel configuration; returns the number of failures."""
+def _dump_sass(cubin: bytes, path: str) -> None:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        with open(path, "w") as out:
+            subprocess.run([tool, "-sass", f.name], stdout=out, text=True, check=True)
+
+
+def compile_all(shape_names, dtype, knobs, arch=90, mode="full", sass_dir=None):
+    """Compile each distinct kernel configuration (with sass_dir, write each one's SASS there); returns the
+    number of failures."""
     target = GPUTarget("cuda", arch, 32)
     seen, failures = set(), 0
     for shape_name in shape_names:
@@ -130,6 +140,12 @@ def compile_all(shape_names, dtype, knobs, arch=90, mode="full"):
                 # cannot prove aligned gets narrow loads)
                 loads = re.findall(r"ld\.global(?:\.\w+)*?(\.v[24])?\.[bfsu](?:8|16|32|64)\b", ptx)
                 widths = f"loads v4 {loads.count('.v4')} v2 {loads.count('.v2')} other {loads.count('')}"
+                if sass_dir:
+                    os.makedirs(sass_dir, exist_ok=True)
+                    stem = os.path.join(sass_dir, f"{shape_name}_{kernel.__name__}_{len(seen)}")
+                    _dump_sass(compiled.asm["cubin"], stem + ".sass")
+                    with open(stem + ".ttgir", "w") as f:  # the layouts and their conversions
+                        f.write(compiled.asm["ttgir"])
                 print(f"{label}  {_usage(compiled.asm['cubin'])} smem {shared} async copies {asyncs} {widths}",
                       flush=True)
             except Exception as err:  # report every failing configuration, not only the first
@@ -145,13 +161,14 @@ def main():
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     parser.add_argument("--mode", default="full", choices=["full", "block"])
+    parser.add_argument("--sass", metavar="DIR", help="write each kernel configuration's SASS (cuobjdump) and TTGIR into DIR")
     parser.add_argument("knobs", nargs="*", help="FullRouting / BlockRouting keywords name=value")
     args = parser.parse_args()
     knobs = {}
     for item in args.knobs:
         name, _, value = item.partition("=")
         knobs[name] = int(value) if value.lstrip("-").isdigit() else value
-    failures = compile_all(args.shapes, DTYPES[args.dtype], knobs, args.arch, args.mode)
+    failures = compile_all(args.shapes, DTYPES[args.dtype], knobs, args.arch, args.mode, args.sass)
     print(f"{failures} failed")
     sys.exit(1 if failures else 0)
 
