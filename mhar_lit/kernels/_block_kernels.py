@@ -24,7 +24,8 @@ import triton.language as tl
 
 from mhar_lit.kernels._routing_kernels import (_dout_rows, _full_row_tile, _full_row_tile_at, _online_update,
                                                _pair_grads, _pair_grads_per_head, _query_grad_kr, _query_grad_row,
-                                               _query_grad_store, _query_grad_tile, _rsqrt_mean_square, _to_storage)
+                                               _query_grad_store, _query_grad_tile, _rsqrt_mean_square, _site_w,
+                                               _to_storage)
 
 
 @triton.jit(do_not_specialize=["site", "n_blk", "span", "add_prev"])
@@ -137,10 +138,11 @@ def _block_site_bwd_kernel(
 
 @triton.jit(do_not_specialize=["block", "s_lo", "n_slots", "span"])
 def _block_pass_bwd_kernel(
-    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, g_ptr, dsrc_ptr,
+    rows_ptr, r_ptr, w_ptr, w_lo_ptr, lse_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, g_ptr, dsrc_ptr,
     block, s_lo, n_slots, span, NB, P, D, H, K,
     LAST: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
-    SLOT_UNROLL: tl.constexpr, STAGES: tl.constexpr,
+    SLOT_UNROLL: tl.constexpr, STAGES: tl.constexpr, W_TILE: tl.constexpr, SPLIT_W: tl.constexpr,
+    SLOTS_P: tl.constexpr,
 ):
     """Block `block` (sites s_lo .. s_lo + n_slots - 1: their douts in dout_ptrs[0 .. n_slots), their S in
     S[0 .. n_slots)) is done. One program per token tile and block row j <= block (buffer row j * span; j
@@ -148,7 +150,13 @@ def _block_pass_bwd_kernel(
     pairs with every site of the block (each pair's dl into the dl table), summed with the coupling into G[j]
     for j < block (LAST: the last block initialises G), and for j = block into dsrc with G[block]: that row is
     finished. (Its row R_{s_lo + 1} does not contain it, so no chain comes in; the site before reads this dsrc
-    as its chain.) SLOT_UNROLL = 2: two sites' loads issued together."""
+    as its chain.) SLOT_UNROLL = 2: two sites' loads issued together.
+
+    Shared memory in the site loop (sm_90 TTGIR and SASS, 2026-12-05): by default two layout conversions per
+    site, each with two barriers: the [H_P, K_P] fp32 w into the rows' layout, and every [BLOCK_T, H_P] dl into
+    the layout of its store. Two options remove them (BlockRouting's pass_w_tile, pass_dl_buffer): W_TILE
+    loads w as a full tile in the rows' dtype (_site_w); SLOTS_P > 0 (a power of two >= the block's sites)
+    keeps the dl in registers, [BLOCK_T, H_P, SLOTS_P], stored once after the loop."""
     j = tl.program_id(0) % (block + 1)
     offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile_at(
         tl.program_id(0) // (block + 1), P, D, H, K, BLOCK_T, H_P, K_P)
@@ -158,25 +166,40 @@ def _block_pass_bwd_kernel(
     v = tl.load(rows_ptr + j * span * row_stride + tile, mask=mask, other=0.0).to(ACC)
     r = tl.load(r_ptr + j * span * P + offs_t, mask=mask_t, other=0.0)
     kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
+    col = tl.broadcast_to(col_HK[None, :, :], (BLOCK_T, H_P, K_P))  # w's offsets as a full tile
     dv = tl.zeros([BLOCK_T, H_P, K_P], ACC)
     c = tl.zeros([BLOCK_T, H_P], ACC)  # per head; summed over the heads once, after the loop
+    if SLOTS_P > 0:  # every pair's dl, stored after the loop
+        slots = tl.arange(0, SLOTS_P)[None, None, :]
+        dls = tl.zeros([BLOCK_T, H_P, SLOTS_P], ACC)
     for slot in tl.range(0, n_slots, SLOT_UNROLL, num_stages=STAGES):
-        dout, S, lse, w_HK = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot, s_lo, slot < n_slots,
-                                               tile, mask, th, mask_th, col_HK, mask_hk, P, D, H, store_ty, ACC)
+        dout, S, lse, w = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, w_lo_ptr, slot, s_lo,
+                                            slot < n_slots, tile, mask, th, mask_th, col, col_HK, mask_hk, P, D,
+                                            H, store_ty, ACC, W_TILE, SPLIT_W)
         if SLOT_UNROLL == 2:  # the second site's loads before the first's math; a site past the end adds 0
-            dout2, S2, lse2, w2 = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot + 1, s_lo,
-                                                    slot + 1 < n_slots, tile, mask, th, mask_th, col_HK, mask_hk,
-                                                    P, D, H, store_ty, ACC)
-        dv_s, dl, c_s = _pair_grads_per_head(v, kr, r, dout, w_HK, lse, S)
+            dout2, S2, lse2, w2 = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, w_lo_ptr, slot + 1, s_lo,
+                                                    slot + 1 < n_slots, tile, mask, th, mask_th, col, col_HK,
+                                                    mask_hk, P, D, H, store_ty, ACC, W_TILE, SPLIT_W)
+        dv_s, dl, c_s = _pair_grads_per_head(v, kr, r, dout, w, lse, S)
         dv += dv_s
         c += c_s
-        tl.store(dl_ptr + _dl_offsets(s_lo + slot, j, NB, P, H, zth), dl, mask=mask_th)
+        if SLOTS_P > 0:
+            dls = tl.where(slots == slot, dl[:, :, None], dls)
+        else:
+            tl.store(dl_ptr + _dl_offsets(s_lo + slot, j, NB, P, H, zth), dl, mask=mask_th)
         if SLOT_UNROLL == 2:
             dv_s, dl, c_s = _pair_grads_per_head(v, kr, r, dout2, w2, lse2, S2)
             dv += dv_s
             c += c_s
-            tl.store(dl_ptr + _dl_offsets(s_lo + slot + 1, j, NB, P, H, zth), dl,
-                     mask=mask_th & (slot + 1 < n_slots))
+            if SLOTS_P > 0:
+                dls = tl.where(slots == slot + 1, dl[:, :, None], dls)
+            else:
+                tl.store(dl_ptr + _dl_offsets(s_lo + slot + 1, j, NB, P, H, zth), dl,
+                         mask=mask_th & (slot + 1 < n_slots))
+    if SLOTS_P > 0:
+        site_rows = (tl.full([], 0, tl.int64) + s_lo + slots) * (NB + 1) * H * P  # the dl table's [site, j] rows
+        tl.store(dl_ptr + site_rows + j * H * P + zth[:, :, None], dls,
+                 mask=mask_th[:, :, None] & (slots < n_slots))
     dv -= (r * r * tl.sum(c, axis=1) / D)[:, None, None] * v
     if not LAST:
         dv += tl.load(g_ptr + j * row_stride + tile, mask=mask, other=0.0)
@@ -185,15 +208,18 @@ def _block_pass_bwd_kernel(
 
 
 @triton.jit
-def _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot, s_lo, ok, tile, mask, th, mask_th, col_HK,
-                      mask_hk, P, D, H, store_ty: tl.constexpr, ACC: tl.constexpr):
-    """dout, S, lse and w of the block's site `slot`; where not ok (past the block's end) dout = S = 0 and
-    lse = +inf, so that its pair is exactly zero (alpha = 0, dl = 0)."""
+def _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, w_lo_ptr, slot, s_lo, ok, tile, mask, th, mask_th,
+                      col, col_HK, mask_hk, P, D, H, store_ty: tl.constexpr, ACC: tl.constexpr,
+                      W_TILE: tl.constexpr, SPLIT_W: tl.constexpr):
+    """dout, S, lse and w (_site_w) of the block's site `slot`; where not ok (past the block's end)
+    dout = S = 0 and lse = +inf, so that its pair is exactly zero (alpha = 0, dl = 0)."""
     dout = tl.load(_dout_rows(dout_ptrs_ptr, slot, ok, store_ty) + tile, mask=mask & ok, other=0.0).to(ACC)
     S = tl.load(S_ptr + slot * P * H + th, mask=mask_th & ok, other=0.0)
     lse = tl.load(lse_ptr + (s_lo + slot) * P * H + th, mask=mask_th & ok, other=float("inf"))
-    w_HK = tl.load(w_ptr + (s_lo + slot) * D + col_HK, mask=mask_hk & ok, other=0.0).to(ACC)
-    return dout, S, lse, w_HK
+    w = _site_w(w_ptr, w_lo_ptr, (s_lo + slot) * D, col, mask & ok, col_HK, mask_hk & ok, ACC, W_TILE, SPLIT_W)
+    return dout, S, lse, w
+
+
 
 
 @triton.jit(do_not_specialize=["span"])

@@ -402,22 +402,41 @@ def _merge_fwd_kernel(
 
 
 @triton.jit
+def _site_w(w_ptr, w_lo_ptr, base, col, mask, col_HK, mask_hk, ACC: tl.constexpr, W_TILE: tl.constexpr,
+            SPLIT_W: tl.constexpr):
+    """A site's w = q g (its row starts at `base`), broadcastable to the [BLOCK_T, H_P, K_P] row tile.
+    W_TILE: loaded as a full tile (`col`, `mask`: the tile's column offsets and mask; the same row for every
+    token) in the rows' dtype, so that it arrives in the register layout of the rows and douts; with 16-bit
+    rows (SPLIT_W) as two parts w = hi + lo (routing_triton.split_w). Else a [1, H_P, K_P] load of the fp32 w
+    (`col_HK`, `mask_hk`), which Triton converts into the rows' layout through shared memory with two
+    barriers (sm_90 TTGIR and SASS, 2026-12-05): a loop that loads w per site pays them per site."""
+    if W_TILE:
+        w = tl.load(w_ptr + base + col, mask=mask, other=0.0).to(ACC)
+        if SPLIT_W:
+            w += tl.load(w_lo_ptr + base + col, mask=mask, other=0.0).to(ACC)
+    else:
+        w = tl.load(w_ptr + base + col_HK, mask=mask_hk, other=0.0).to(ACC)[None, :, :]
+    return w
+
+
+@triton.jit
 def _pair_grads(v, kr, r, dout, w_HK, lse, S):
     """One (site, source) pair on full-row tiles: the source gradient before the RMSNorm coupling (value path +
     per-head key path: alpha dout + r dl w), the pair's dl [BLOCK_T, H_P] and its coupling sum_h dl logit
     [BLOCK_T]."""
-    dv, dl, c_th = _pair_grads_per_head(v, kr, r, dout, w_HK, lse, S)
+    dv, dl, c_th = _pair_grads_per_head(v, kr, r, dout, w_HK[None, :, :], lse, S)
     return dv, dl, tl.sum(c_th, axis=1)
 
 
 @triton.jit
-def _pair_grads_per_head(v, kr, r, dout, w_HK, lse, S):
+def _pair_grads_per_head(v, kr, r, dout, w, lse, S):
     """_pair_grads with the coupling per head, dl logit [BLOCK_T, H_P], not yet summed over the heads (a sum
-    that crosses warps: a loop over pairs sums it once, after the loop)."""
-    logit = tl.sum(kr * w_HK[None, :, :], axis=2)  # [BLOCK_T, H_P]
+    that crosses warps: a loop over pairs sums it once, after the loop). w: the site's w_HK as [1, H_P, K_P]
+    or as a full [BLOCK_T, H_P, K_P] tile (_site_w)."""
+    logit = tl.sum(kr * w, axis=2)  # [BLOCK_T, H_P]
     alpha = tl.exp(logit - lse)
     dl = alpha * (tl.sum(dout * v, axis=2) - S)
-    dv = alpha[:, :, None] * dout + (dl * r[:, None])[:, :, None] * w_HK[None, :, :]
+    dv = alpha[:, :, None] * dout + (dl * r[:, None])[:, :, None] * w
     return dv, dl, dl * logit
 
 
@@ -789,28 +808,30 @@ def _column_bwd_kernel(
 
 
 @triton.jit
-def _row_site_loads(dout_ptrs_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, s, g_end, pair0, src, tile, mask, th, zth, mask_th,
-                    col_HK, mask_hk, P, D, H, store_ty: tl.constexpr):
+def _row_site_loads(dout_ptrs_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, w_lo_ptr, s, g_end, pair0, src, tile, mask, th, zth,
+                    mask_th, col, col_HK, mask_hk, P, D, H, store_ty: tl.constexpr, ACC: tl.constexpr,
+                    W_TILE: tl.constexpr, SPLIT_W: tl.constexpr):
     """What the full-row column kernel reads of in-group site s (< g_end, else zeros): dout [BLOCK_T, H_P, K_P]
-    (storage dtype), S, logit and lse [BLOCK_T, H_P], and w_s = q_s g_s [H_P, K_P]."""
+    (storage dtype), S, logit and lse [BLOCK_T, H_P], and w_s = q_s g_s (_site_w)."""
     ok = s < g_end
     dout = tl.load(_dout_rows(dout_ptrs_ptr, s, ok, store_ty) + tile, mask=mask & ok, other=0.0)
     S = tl.load(S_ptr + s * P * H + th, mask=mask_th & ok, other=0.0)
     logit = tl.load(z_ptr + (pair0 + s - src) * H * P + zth, mask=mask_th & ok, other=0.0)
     lse = tl.load(lse_ptr + s * P * H + th, mask=mask_th & ok, other=0.0)
-    w = tl.load(w_ptr + s * D + col_HK, mask=mask_hk & ok, other=0.0)
+    w = _site_w(w_ptr, w_lo_ptr, s * D, col, mask & ok, col_HK, mask_hk & ok, ACC, W_TILE, SPLIT_W)
     return dout, S, logit, lse, w
 
 
 @triton.jit
-def _row_suffix_loads(dl_ptr, z_ptr, w_ptr, s, pair0, src, N, zth, mask_th, col_HK, mask_hk, P, D, H):
+def _row_suffix_loads(dl_ptr, z_ptr, w_ptr, w_lo_ptr, s, pair0, src, N, zth, mask_th, col, mask, col_HK, mask_hk, P,
+                      D, H, ACC: tl.constexpr, W_TILE: tl.constexpr, SPLIT_W: tl.constexpr):
     """A suffix pair (s, src), s >= g_end, of the full-row column kernel: its dl and logit [BLOCK_T, H_P] (from
-    the suffix pass and the forward) and w_s [H_P, K_P]; zeros for s >= N."""
+    the suffix pass and the forward) and w_s (_site_w); zeros for s >= N."""
     ok = s < N
     off = (pair0 + s - src) * H * P + zth
     dl = tl.load(dl_ptr + off, mask=mask_th & ok, other=0.0)
     logit = tl.load(z_ptr + off, mask=mask_th & ok, other=0.0)
-    w = tl.load(w_ptr + s * D + col_HK, mask=mask_hk & ok, other=0.0)
+    w = _site_w(w_ptr, w_lo_ptr, s * D, col, mask & ok, col_HK, mask_hk & ok, ACC, W_TILE, SPLIT_W)
     return dl, logit, w
 
 
@@ -821,17 +842,17 @@ def _row_pair(dout, S, logit, lse, w, v_raw, r, mask_th, dv, c, ACC: tl.constexp
     d_s = dout.to(ACC)
     alpha = tl.where(mask_th, tl.exp(logit - lse), 0.0)
     dl = alpha * (tl.sum(d_s * v_raw.to(ACC), axis=2) - S)
-    dv += alpha[:, :, None] * d_s + (dl * r[:, None])[:, :, None] * w[None, :, :]
+    dv += alpha[:, :, None] * d_s + (dl * r[:, None])[:, :, None] * w
     return dl, dv, c + dl * logit
 
 
 @triton.jit(do_not_specialize=["src", "g_end", "part_slot", "dout_addr"])
 def _column_row_bwd_kernel(
-    rows_ptr, r_ptr, w_ptr, lse_ptr, S_ptr, dout_ptrs_ptr, dout_new_ptr, out_new_ptr,
+    rows_ptr, r_ptr, w_ptr, w_lo_ptr, lse_ptr, S_ptr, dout_ptrs_ptr, dout_new_ptr, out_new_ptr,
     z_ptr, dl_ptr, part_dv_ptr, part_c_ptr, dsrc_ptr,
     src, g_end, part_slot, N, P, D, H, K, dout_addr,
     HAS_SUFFIX: tl.constexpr, SUFFIX_KEYS: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr,
-    K_P: tl.constexpr, ACC: tl.constexpr,
+    K_P: tl.constexpr, ACC: tl.constexpr, W_TILE: tl.constexpr, SPLIT_W: tl.constexpr, G_P: tl.constexpr,
 ):
     """Full-mode backward of site `src` on full rows (every head of a token block in one program): the work of
     _column_bwd_kernel and _keypath_kernel in one pass, so the fp32 value-path gradient and the coupling never
@@ -844,7 +865,11 @@ def _column_row_bwd_kernel(
     left their value and key path in part_dv and their coupling in part_c (the "dot" suffix), else only the
     value path and dl, and a loop over them here adds their key path. dsrc = dv - r^2/D c v, written once.
     Every load of a step is issued before the step's stores (see _column_bwd_kernel). (Two in-group sites per
-    step, with the next two sites' loads in flight, ran slower on an H200: 96 registers against 64.)"""
+    step, with the next two sites' loads in flight, ran slower on an H200: 96 registers against 64.)
+    Two options (FullRouting's row_w_tile, row_dl_buffer) keep the site loop clear of shared memory: W_TILE
+    loads w_s as a full tile (_site_w), and G_P > 0 (a power of two >= the group's sites) keeps the in-group
+    pairs' dl in registers, stored once after the loop (G_P = 0: per site, each store a layout conversion
+    with two barriers)."""
     # th: offsets into the [N, P, H] tensors (lse, S); zth: into the [pairs, H, P] ones (z, dl)
     offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
     zth = tl.arange(0, H_P)[None, :] * P + offs_t[:, None].to(tl.int64)
@@ -857,15 +882,16 @@ def _column_row_bwd_kernel(
     r = tl.load(r_ptr + src * P + offs_t, mask=mask_t, other=0.0).to(ACC)
     logit = tl.load(z_ptr + pair0 * H * P + zth, mask=mask_th, other=0.0)
     lse = tl.load(lse_ptr + src * P * H + th, mask=mask_th, other=0.0)
-    w = tl.load(w_ptr + src * D + col_HK, mask=mask_hk, other=0.0)
+    col = tl.broadcast_to(col_HK[None, :, :], (BLOCK_T, H_P, K_P))  # w's offsets as a full tile
+    w = _site_w(w_ptr, w_lo_ptr, src * D, col, mask, col_HK, mask_hk, ACC, W_TILE, SPLIT_W)
     if HAS_SUFFIX:
         part_dv = tl.load(part_dv_ptr + part_slot * row_stride + tile, mask=mask, other=0.0).to(ACC)
         if SUFFIX_KEYS:
             part_c = tl.load(part_c_ptr + part_slot * P * H + th, mask=mask_th, other=0.0)
     store_ty = rows_ptr.dtype.element_ty
-    dout_j, S_j, logit_j, lse_j, w_j = _row_site_loads(dout_ptrs_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, src + 1, g_end,
-                                                      pair0, src, tile, mask, th, zth, mask_th, col_HK, mask_hk,
-                                                      P, D, H, store_ty)
+    dout_j, S_j, logit_j, lse_j, w_j = _row_site_loads(dout_ptrs_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, w_lo_ptr, src + 1,
+                                                      g_end, pair0, src, tile, mask, th, zth, mask_th, col, col_HK,
+                                                      mask_hk, P, D, H, store_ty, ACC, W_TILE, SPLIT_W)
 
     S = tl.sum(dout_raw.to(ACC) * out_new.to(ACC), axis=2)
     dv = tl.zeros([BLOCK_T, H_P, K_P], ACC)
@@ -873,27 +899,39 @@ def _column_row_bwd_kernel(
     if tl.program_id(0) == 0:  # dout_new enters the table of douts for the sources before src
         tl.store(dout_ptrs_ptr + src, dout_addr)
     tl.store(S_ptr + src * P * H + th, S, mask=mask_th)
-    tl.store(dl_ptr + pair0 * H * P + zth, dl, mask=mask_th)
+    if G_P > 0:  # slot i: the pair (src + i, src)
+        slots = tl.arange(0, G_P)[None, None, :]
+        dls = tl.where(slots == 0, dl[:, :, None], tl.zeros([BLOCK_T, H_P, G_P], ACC))
+    else:
+        tl.store(dl_ptr + pair0 * H * P + zth, dl, mask=mask_th)
     # in-group sites (their dout in the table, their S in the buffer), each step's loads issued one step ahead
     for s in range(src + 1, g_end):
         dl_s, dv, c = _row_pair(dout_j, S_j, logit_j, lse_j, w_j, v_raw, r, mask_th, dv, c, ACC)
         z_off = (pair0 + s - src) * H * P + zth
-        dout_j, S_j, logit_j, lse_j, w_j = _row_site_loads(dout_ptrs_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, s + 1, g_end,
-                                                          pair0, src, tile, mask, th, zth, mask_th, col_HK,
-                                                          mask_hk, P, D, H, store_ty)
-        tl.store(dl_ptr + z_off, dl_s, mask=mask_th)
+        dout_j, S_j, logit_j, lse_j, w_j = _row_site_loads(dout_ptrs_ptr, S_ptr, z_ptr, lse_ptr, w_ptr, w_lo_ptr,
+                                                          s + 1, g_end, pair0, src, tile, mask, th, zth, mask_th,
+                                                          col, col_HK, mask_hk, P, D, H, store_ty, ACC, W_TILE,
+                                                          SPLIT_W)
+        if G_P > 0:
+            dls = tl.where(slots == s - src, dl_s[:, :, None], dls)
+        else:
+            tl.store(dl_ptr + z_off, dl_s, mask=mask_th)
+    if G_P > 0:
+        tl.store(dl_ptr + (pair0 + slots) * H * P + zth[:, :, None], dls,
+                 mask=mask_th[:, :, None] & (slots < g_end - src))
     if HAS_SUFFIX:
         dv += part_dv
     if HAS_SUFFIX and SUFFIX_KEYS:
         c += part_c
     if HAS_SUFFIX and not SUFFIX_KEYS:
         # the suffix pairs' key path (their value path is part_dv); no stores, so loads run one site ahead
-        dl_s, logit_s, w_s = _row_suffix_loads(dl_ptr, z_ptr, w_ptr, g_end, pair0, src, N, zth, mask_th, col_HK,
-                                               mask_hk, P, D, H)
+        dl_s, logit_s, w_s = _row_suffix_loads(dl_ptr, z_ptr, w_ptr, w_lo_ptr, g_end, pair0, src, N, zth, mask_th,
+                                               col, mask, col_HK, mask_hk, P, D, H, ACC, W_TILE, SPLIT_W)
         for s in range(g_end, N):
-            dl_n, logit_n, w_n = _row_suffix_loads(dl_ptr, z_ptr, w_ptr, s + 1, pair0, src, N, zth, mask_th,
-                                                   col_HK, mask_hk, P, D, H)
-            dv += (dl_s * r[:, None])[:, :, None] * w_s[None, :, :]
+            dl_n, logit_n, w_n = _row_suffix_loads(dl_ptr, z_ptr, w_ptr, w_lo_ptr, s + 1, pair0, src, N, zth,
+                                                   mask_th, col, mask, col_HK, mask_hk, P, D, H, ACC, W_TILE,
+                                                   SPLIT_W)
+            dv += (dl_s * r[:, None])[:, :, None] * w_s
             c += dl_s * logit_s
             dl_s, logit_s, w_s = dl_n, logit_n, w_n
     cr = r * r * tl.sum(c, axis=1) / D  # the coupling summed over heads

@@ -32,7 +32,8 @@ from torch.autograd.function import once_differentiable
 
 from mhar_lit.kernels import _block_kernels as kern
 from mhar_lit.kernels.launch import launch
-from mhar_lit.kernels.routing_triton import accumulator, check_device, check_storage_dtype, pow2, tile_tokens
+from mhar_lit.kernels.routing_triton import (accumulator, check_device, check_storage_dtype, pow2, split_w,
+                                             tile_tokens)
 
 # Tile and warps from the H200 measurements of 2026-12-03 (session 7; benchmarks/results/block_routing.md). Call 1:
 # of 4 / 8 warps x 2048 / 4096 / 8192 tile elements, 2048 was fastest at every shape. Call 2 (backward
@@ -76,7 +77,7 @@ class BlockRouting:
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int, span: int,
                  eps: float = 1e-6, num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE,
                  unroll: int = 1, pass_warps: int = 0, pass_tile_elements: int = 0, pass_unroll: int = 1,
-                 stages: int = 0) -> None:
+                 stages: int = 0, pass_w_tile: int = 0, pass_dl_buffer: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -92,6 +93,9 @@ class BlockRouting:
         for name, value in (("unroll", unroll), ("pass_unroll", pass_unroll)):
             if value not in UNROLL_CHOICES:
                 raise ValueError(f"{name} must be one of {UNROLL_CHOICES}, got {value}")
+        for name, value in (("pass_w_tile", pass_w_tile), ("pass_dl_buffer", pass_dl_buffer)):
+            if value not in (0, 1):
+                raise ValueError(f"{name} must be 0 or 1, got {value}")
         if stages < 0:
             raise ValueError(f"stages must be >= 0 (0: automatic, 1: loops not software-pipelined), got {stages}")
         if num_warps < 0 or tile_elements < 1 or pass_warps < 0 or pass_tile_elements < 0:
@@ -114,6 +118,7 @@ class BlockRouting:
         self.pass_programs = triton.cdiv(self.p, self.pass_block_t)
         self.pass_warps = pass_warps or DEFAULT_PASS_WARPS
         self.pass_unroll = pass_unroll
+        self.pass_w_tile, self.pass_dl_buffer = bool(pass_w_tile), bool(pass_dl_buffer)
         self.fwd_stages = stages or (PIPELINE_STAGES if self.block_t >= PIPELINED_FORWARD_MIN_TOKENS else 1)
         self.pass_stages = stages or 1
         self.query_grad_stages = stages or PIPELINE_STAGES
@@ -124,7 +129,9 @@ class BlockRouting:
         with torch.no_grad():
             self.q_SD = query_SD.detach().to(self.acc_t).clone()
             self.g_SD = norm_weight_SD.detach().to(self.acc_t).clone()
-            self.w_SD = (self.q_SD * self.g_SD).contiguous()
+            # w = q g; with pass_w_tile the block pass loads it in the rows' dtype (hi + lo): every kernel uses
+            # that value either way
+            self.w_SD, self.w_parts = split_w(self.q_SD * self.g_SD, self.dtype)
         self.rows = torch.empty(n, self.p, d, dtype=self.dtype, device=self.device)
         self.r = torch.empty(n, self.p, dtype=self.acc_t, device=self.device)
         self.lse = torch.empty(n, self.p, heads, dtype=self.acc_t, device=self.device)
@@ -250,10 +257,12 @@ class BlockRouting:
             return
         slots = (n - s0) if block == blocks - 1 else self.span
         launch(kern._block_pass_bwd_kernel, (self.pass_programs * (block + 1),),  # a program per tile and row
-            self.rows, self.r, self.w_SD, self.lse, bw["dout_ptrs"], bw["S"], bw["dl"], bw["G"], dsrc_PD,
-            block, s0, slots, self.span, blocks, *dims,
+            self.rows, self.r, *(self.w_parts if self.pass_w_tile else (self.w_SD, self.w_SD)), self.lse,
+            bw["dout_ptrs"], bw["S"], bw["dl"], bw["G"], dsrc_PD, block, s0, slots, self.span, blocks, *dims,
             LAST=block == blocks - 1, BLOCK_T=self.pass_block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
-            SLOT_UNROLL=self.pass_unroll, STAGES=self.pass_stages, num_warps=self.pass_warps, key=self._key,
+            SLOT_UNROLL=self.pass_unroll, STAGES=self.pass_stages, W_TILE=self.pass_w_tile,
+            SPLIT_W=self.pass_w_tile and self.w_parts[0] is not self.w_parts[1],
+            SLOTS_P=pow2(self.span + 1) if self.pass_dl_buffer else 0, num_warps=self.pass_warps, key=self._key,
         )
         bw["douts"] = [None] * len(bw["douts"])  # the block's douts are read; the block before fills the table
 

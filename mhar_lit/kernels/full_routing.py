@@ -48,7 +48,7 @@ from torch.autograd.function import once_differentiable
 
 from mhar_lit.kernels import _routing_kernels as kern
 from mhar_lit.kernels.launch import launch
-from mhar_lit.kernels.routing_triton import (accumulator, check_device, check_storage_dtype, pow2,
+from mhar_lit.kernels.routing_triton import (accumulator, check_device, check_storage_dtype, pow2, split_w,
                                              tile_tokens)
 
 # Defaults from the H200 measurements of 2026-12-02 (benchmarks/results/routing.md): no single configuration
@@ -117,6 +117,11 @@ ROW_MAX_HEAD = 128
 # against 2.71 (1024 on 2 warps), 2.74 (2048 on 4), 3.02 (4096 on 8); 32 per thread spills.
 ROW_COLUMN_TILE = 1024
 ROW_COLUMN_WARPS = 4
+# row_dl_buffer: the row column kernel keeps its in-group pairs' dl in registers, [tokens, heads, pow2(group)],
+# and stores them once, where pow2(group) <= this (else, and by default, per site: each store a layout conversion
+# with two barriers). row_w_tile: it loads each site's w as a full tile in the rows' dtype (_site_w). Both remove
+# shared memory from its site loop (sm_90 TTGIR, 2026-12-05); neither is timed yet, so both are off by default.
+ROW_DL_BUFFER_MAX = 16
 
 class FullRouting:
     """State of chunked full-mode routing for one forward pass (see module docstring).
@@ -135,7 +140,7 @@ class FullRouting:
                  prefix_tokens: int = 0, prefix_warps: int = 0, column_width: int = 0,
                  keypath_tokens: int = 0, keypath_warps: int = 0, keypath_width: int = 0,
                  column_sites: int = 0, column_impl: str = "", prefix_stages: int = 0,
-                 logits_tokens: int = 0) -> None:
+                 logits_tokens: int = 0, row_w_tile: int = 0, row_dl_buffer: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -166,8 +171,12 @@ class FullRouting:
             if tokens < 0 or tokens & (tokens - 1) or warps < 0:
                 raise ValueError(f"{name}_tokens ({tokens}) must be 0 (automatic) or a power of two, "
                                  f"{name}_warps ({warps}) 0 (automatic) or positive")
+        for name, value in (("row_w_tile", row_w_tile), ("row_dl_buffer", row_dl_buffer)):
+            if value not in (0, 1):
+                raise ValueError(f"{name} must be 0 or 1, got {value}")
         check_storage_dtype(embedding_BTD.dtype)
         check_device(embedding_BTD, query_SD, norm_weight_SD)
+        self.row_w_tile, self.row_dl_buffer = bool(row_w_tile), bool(row_dl_buffer)
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
         self.column_impl = column_impl or default_column_impl(d // heads, heads, group >= n, suffix_impl)
         group = group or balanced_group(n, DEFAULT_GROUP)
@@ -216,6 +225,9 @@ class FullRouting:
             self.q_SD = query_SD.detach().to(self.acc_t).clone()
             self.g_SD = norm_weight_SD.detach().to(self.acc_t).clone()
             self.w_SD = (self.q_SD * self.g_SD).contiguous()
+            # with row_w_tile the row column kernel loads w in the rows' dtype (hi + lo, as w_terms for bf16; it
+            # uses w only in the key path: the logits come from the forward's z)
+            self.w_parts = split_w(self.w_SD, self.dtype)[1]
             self.w_terms = self._w_terms()
         self.rows = torch.empty(n, self.p, d, dtype=self.dtype, device=self.device)
         self.r = torch.empty(n, self.p, dtype=self.acc_t, device=self.device)
@@ -491,11 +503,14 @@ class FullRouting:
         dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
         block_t = self.column_tokens or tile_tokens(self.h_p * self.k_p, ROW_COLUMN_TILE)
         launch(kern._column_row_bwd_kernel, (triton.cdiv(p, block_t),),
-            self.rows, self.r, self.w_SD, self.lse, bw["S"], bw["dout_ptrs"], dout, out_BTD,
+            self.rows, self.r, *(self.w_parts if self.row_w_tile else (self.w_SD, self.w_SD)), self.lse, bw["S"],
+            bw["dout_ptrs"], dout, out_BTD,
             self.z, bw["dl"], self._part_dv(g_end), self._part_c(g_end), dsrc_PD,
             site, g_end, site - g0, n, p, d, self.heads, self.k, dout.data_ptr(),
             HAS_SUFFIX=g_end < n, SUFFIX_KEYS=self.suffix_keys(), BLOCK_T=block_t, H_P=self.h_p, K_P=self.k_p,
-            ACC=self.acc_tl,
+            ACC=self.acc_tl, W_TILE=self.row_w_tile,
+            SPLIT_W=self.row_w_tile and self.w_parts[0] is not self.w_parts[1],
+            G_P=pow2(self.group) if self.row_dl_buffer and pow2(self.group) <= ROW_DL_BUFFER_MAX else 0,
             num_warps=self.column_warps or ROW_COLUMN_WARPS, key=(self._key, aligned(dout), aligned(out_BTD)),
         )
         return dsrc_PD

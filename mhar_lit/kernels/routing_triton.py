@@ -61,6 +61,22 @@ def accumulator(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype]:
     return torch.float32, tl.float32
 
 
+def split_w(w_SD: Tensor, dtype: torch.dtype) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """w = q g (compute dtype) for kernels that load it as a full row tile in the rows' dtype, so that it
+    arrives in the register layout of the rows (a [H, K] fp32 load is converted into that layout through
+    shared memory, with two barriers, every time: _routing_kernels._site_w). With 16-bit rows: w rounded to
+    hi + lo, hi = w in that dtype and lo = the rest in it (16 significant bits in bf16, relative error
+    <= 2^-17, far below the rows' own rounding), returned as that rounded w and its parts (hi, lo), so that
+    kernels that use w in the compute dtype can use the same value. Otherwise (w, (w, w)): the same tensor
+    twice, which tells the kernels there is no second part."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        w_SD = w_SD.contiguous()
+        return w_SD, (w_SD, w_SD)
+    hi = w_SD.to(dtype)
+    lo = (w_SD - hi.to(w_SD.dtype)).to(dtype)
+    return (hi.to(w_SD.dtype) + lo.to(w_SD.dtype)).contiguous(), (hi.contiguous(), lo.contiguous())
+
+
 def pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 

@@ -164,7 +164,8 @@ def test_unroll_and_tiling_change_nothing():
         tiled = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, suffix_tokens=8,
                                   suffix_warps=8, prefix_tokens=4, prefix_warps=2, column_tokens=2,
                                   column_warps=4, keypath_tokens=16, keypath_warps=2, keypath_width=16,
-                                  column_sites=1, prefix_stages=3, logits_tokens=16, **impl)
+                                  column_sites=1, prefix_stages=3, logits_tokens=16, row_w_tile=1,
+                                  row_dl_buffer=1, **impl)
         for name, a, b in zip(NAMES, tiled, base):
             assert rel(a, b) <= 1e-6, f"{impl} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
 
@@ -199,7 +200,8 @@ def test_row_column_kernel_in_one_group_and_its_tiles_match_float64():
         for name, a, x, r in zip(NAMES, base, exact, ref32):
             assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), (
                 f"n {n} H {heads} {name}: {rel(a, x):.1e}, fp32 reference {rel(r, x):.1e} (seed {gen.initial_seed()})")
-        for knobs in (dict(column_tokens=1), dict(column_tokens=4, column_warps=2)):
+        for knobs in (dict(column_tokens=1), dict(column_tokens=4, column_warps=2), dict(row_w_tile=1),
+                      dict(row_dl_buffer=1), dict(row_w_tile=1, row_dl_buffer=1, column_tokens=1)):
             got = full_mode_output_and_grads("triton", *problem, heads, torch.float32, chunk=3, group=n,
                                              column_impl="row", **knobs)
             for name, a, b in zip(NAMES, got, base):
@@ -315,6 +317,7 @@ def test_column_blocks_change_nothing():
     (dict(column_impl="rows"), "column_impl must be one of"),
     (dict(prefix_stages=-1), "prefix_stages"),
     (dict(group=-1), "group \\(-1\\) >= 0"),
+    (dict(row_dl_buffer=2), "row_dl_buffer must be 0 or 1"),
 ])
 def test_bad_knobs_are_named(knobs, message):
     x = torch.zeros(1, 2, 4)
@@ -367,9 +370,24 @@ def test_bf16_within_reference_rounding_error(impl):
     problem = full_mode_problem(7, 2, 4, 32, gen)
     exact = full_mode_output_and_grads("torch", *problem, 4, torch.float64)
     ref = full_mode_output_and_grads("torch", *problem, 4, torch.bfloat16)
-    got = full_mode_output_and_grads("triton", *problem, 4, torch.bfloat16, **impl)
-    for name, a, r, e in zip(NAMES, got, ref, exact):
-        assert rel(a, e) <= 2 * rel(r, e) + 1e-3, f"{name}: {rel(a, e):.2e} vs {rel(r, e):.2e}"
+    for knobs in ({}, dict(row_w_tile=1, row_dl_buffer=1)):  # the row kernel's w as bf16 hi + lo
+        got = full_mode_output_and_grads("triton", *problem, 4, torch.bfloat16, **impl, **knobs)
+        for name, a, r, e in zip(NAMES, got, ref, exact):
+            assert rel(a, e) <= 2 * rel(r, e) + 1e-3, f"{knobs} {name}: {rel(a, e):.2e} vs {rel(r, e):.2e}"
+
+
+@pytest.mark.parametrize("suffix_impl", PASS_IMPLS)
+def test_row_kernel_options_match_the_default_in_bf16(suffix_impl):
+    """row_w_tile: the row column kernel's key path with w as bf16 hi + lo (|w - hi - lo| <= 2^-17 |w|) instead
+    of the fp32 w, row_dl_buffer: the same dl stored later. Equal to the default to well below bf16 rounding
+    (bitwise in the interpreter); losing the lo part moves the gradients by ~1e-3 here."""
+    gen = fresh_generator()
+    problem = full_mode_problem(7, 2, 4, 32, gen)
+    knobs = dict(column_impl="row", group=3, suffix_impl=suffix_impl)
+    base = full_mode_output_and_grads("triton", *problem, 4, torch.bfloat16, **knobs)
+    got = full_mode_output_and_grads("triton", *problem, 4, torch.bfloat16, row_w_tile=1, row_dl_buffer=1, **knobs)
+    for name, a, b in zip(NAMES, got, base):
+        assert rel(a, b) <= 1e-4, f"{suffix_impl} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
 
 
 @pytest.mark.parametrize("column_impl", COLUMN_IMPLS)
