@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the session-17 kernel options that take shared memory out of the site loops (issue 4; not
-# yet timed): the block pass's pass_w_tile / pass_dl_buffer and the full-mode row column kernel's row_w_tile /
-# row_dl_buffer, against the defaults in the same runs, then train steps with the best block config, then Nsight
+# yet timed): the block pass's pass_w_tile / pass_dl_buffer, the full-mode row column kernel's row_w_tile /
+# row_dl_buffer and the fma prefix's prefix_row_3d, against the defaults in the same runs (routing.py times its
+# defaults, then the --tune grid), then train steps with the best block config, then Nsight
 # Compute readings of the defaults (stall reasons, occupancy; benchmarks/ncu_suite.sh) as far as time allows.
 # Usage, from the repository root: benchmarks/layout_suite.sh OUTDIR [SECONDS]
 set -uo pipefail
@@ -11,7 +12,7 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 step block_routing 24 python3 benchmarks/block_routing.py --graph --profile --variants triton \
   --configs default pass_w_tile=1 pass_w_tile=1,pass_dl_buffer=1 --out "$OUT_DIR/block"
 step routing 40 python3 benchmarks/routing.py --graph --variants triton --tune \
-  --grid "row_w_tile=1;row_w_tile=1,row_dl_buffer=1" --out "$OUT_DIR/full"
+  --grid "row_w_tile=1;row_w_tile=1,row_dl_buffer=1;prefix_row_3d=1;row_w_tile=1,prefix_row_3d=1" --out "$OUT_DIR/full"
 BEST=$(python3 - "$OUT_DIR/block" <<'PY'
 import glob, json, sys
 rows = [r for f in glob.glob(sys.argv[1] + "/*.json") for r in json.load(open(f))["results"] if "graph_ms" in r]

@@ -208,15 +208,27 @@ def _prefix_logits(z_ptr, z_CT, mask_CT, n, n_rows, site_lo, N, H, P):
 
 
 @triton.jit
-def _prefix_row(rows_ptr, tile_TK, mask_TK, n, n_rows, row_stride):
-    """Row n's [BLOCK_T, K_P] head slice in the storage dtype (zeros past the last row)."""
-    return tl.load(rows_ptr + n * row_stride + tile_TK, mask=mask_TK & (n < n_rows), other=0.0)
+def _prefix_row(rows_ptr, tile_TK, mask_TK, n, n_rows, row_stride, ROW_3D: tl.constexpr):
+    """Row n's head slice in the storage dtype (zeros past the last row): [BLOCK_T, K_P], or with ROW_3D
+    [1, BLOCK_T, K_P], loaded with the shape it is mixed in. (sm_90 TTGIR, 2026-12-05: a [BLOCK_T, K_P] row is
+    converted into the accumulator's layout through shared memory, 512 fp32 per row at 100M; loaded 3-D, only
+    the [C_P, BLOCK_T] weights are: the loop's shared-memory stores 32 -> 8 per step, 148 -> 124 registers.)"""
+    if ROW_3D:  # a constexpr branch: one of the two is compiled
+        v = tl.load(rows_ptr + n * row_stride + tile_TK[None, :, :], mask=mask_TK[None, :, :] & (n < n_rows),
+                    other=0.0)
+    else:
+        v = tl.load(rows_ptr + n * row_stride + tile_TK, mask=mask_TK & (n < n_rows), other=0.0)
+    return v
 
 
 @triton.jit
-def _prefix_mix(z, v, m, l, acc, ACC: tl.constexpr):
+def _prefix_mix(z, v, m, l, acc, ACC: tl.constexpr, ROW_3D: tl.constexpr):
     p = tl.exp(z - m)
-    return l + p, acc + p[:, :, None] * v.to(ACC)[None, :, :]
+    if ROW_3D:
+        acc += p[:, :, None] * v.to(ACC)
+    else:
+        acc += p[:, :, None] * v.to(ACC)[None, :, :]
+    return l + p, acc
 
 
 @triton.jit(do_not_specialize=["n_rows", "site_lo", "n_sites"])
@@ -224,7 +236,7 @@ def _prefix_fwd_kernel(
     rows_ptr, z_ptr, m_ptr, l_ptr, acc_ptr,
     n_rows, site_lo, n_sites, N, P, D, H, K,
     C_P: tl.constexpr, BLOCK_T: tl.constexpr, K_W: tl.constexpr, ACC: tl.constexpr, UNROLL: tl.constexpr,
-    R_B: tl.constexpr, STAGES: tl.constexpr,
+    R_B: tl.constexpr, STAGES: tl.constexpr, ROW_3D: tl.constexpr,
 ):
     """Prefix pass of a chunk, one head and K_W of its columns: every row in [0, n_rows) is read once and
     mixed into the C sites [site_lo, site_lo + n_sites). The logits come from the pair table z (computed
@@ -265,21 +277,21 @@ def _prefix_fwd_kernel(
     # STAGES > 1: software-pipelined by Triton (the loads become asynchronous copies STAGES - 1 steps ahead)
     for n in tl.range(0, n_rows, UNROLL, num_stages=STAGES):
         z0 = _prefix_logits(z_ptr, z_CT, mask_CT, n, n_rows, site_lo, N, H, P)
-        v0 = _prefix_row(rows_ptr, tile_TK, mask_TK, n, n_rows, row_stride)
+        v0 = _prefix_row(rows_ptr, tile_TK, mask_TK, n, n_rows, row_stride, ROW_3D)
         if UNROLL >= 2:
             z1 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 1, n_rows, site_lo, N, H, P)
-            v1 = _prefix_row(rows_ptr, tile_TK, mask_TK, n + 1, n_rows, row_stride)
+            v1 = _prefix_row(rows_ptr, tile_TK, mask_TK, n + 1, n_rows, row_stride, ROW_3D)
         if UNROLL >= 4:
             z2 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 2, n_rows, site_lo, N, H, P)
-            v2 = _prefix_row(rows_ptr, tile_TK, mask_TK, n + 2, n_rows, row_stride)
+            v2 = _prefix_row(rows_ptr, tile_TK, mask_TK, n + 2, n_rows, row_stride, ROW_3D)
             z3 = _prefix_logits(z_ptr, z_CT, mask_CT, n + 3, n_rows, site_lo, N, H, P)
-            v3 = _prefix_row(rows_ptr, tile_TK, mask_TK, n + 3, n_rows, row_stride)
-        l, acc = _prefix_mix(z0, v0, m, l, acc, ACC)
+            v3 = _prefix_row(rows_ptr, tile_TK, mask_TK, n + 3, n_rows, row_stride, ROW_3D)
+        l, acc = _prefix_mix(z0, v0, m, l, acc, ACC, ROW_3D)
         if UNROLL >= 2:
-            l, acc = _prefix_mix(z1, v1, m, l, acc, ACC)
+            l, acc = _prefix_mix(z1, v1, m, l, acc, ACC, ROW_3D)
         if UNROLL >= 4:
-            l, acc = _prefix_mix(z2, v2, m, l, acc, ACC)
-            l, acc = _prefix_mix(z3, v3, m, l, acc, ACC)
+            l, acc = _prefix_mix(z2, v2, m, l, acc, ACC, ROW_3D)
+            l, acc = _prefix_mix(z3, v3, m, l, acc, ACC, ROW_3D)
 
     ct = offs_c[:, None].to(tl.int64) * P + offs_t[None, :]
     tl.store(m_ptr + ct * H + h, m, mask=mask_CT & (k0 == 0))

@@ -140,7 +140,8 @@ class FullRouting:
                  prefix_tokens: int = 0, prefix_warps: int = 0, column_width: int = 0,
                  keypath_tokens: int = 0, keypath_warps: int = 0, keypath_width: int = 0,
                  column_sites: int = 0, column_impl: str = "", prefix_stages: int = 0,
-                 logits_tokens: int = 0, row_w_tile: int = 0, row_dl_buffer: int = 0) -> None:
+                 logits_tokens: int = 0, row_w_tile: int = 0, row_dl_buffer: int = 0,
+                 prefix_row_3d: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -171,12 +172,14 @@ class FullRouting:
             if tokens < 0 or tokens & (tokens - 1) or warps < 0:
                 raise ValueError(f"{name}_tokens ({tokens}) must be 0 (automatic) or a power of two, "
                                  f"{name}_warps ({warps}) 0 (automatic) or positive")
-        for name, value in (("row_w_tile", row_w_tile), ("row_dl_buffer", row_dl_buffer)):
+        for name, value in (("row_w_tile", row_w_tile), ("row_dl_buffer", row_dl_buffer),
+                            ("prefix_row_3d", prefix_row_3d)):
             if value not in (0, 1):
                 raise ValueError(f"{name} must be 0 or 1, got {value}")
         check_storage_dtype(embedding_BTD.dtype)
         check_device(embedding_BTD, query_SD, norm_weight_SD)
         self.row_w_tile, self.row_dl_buffer = bool(row_w_tile), bool(row_dl_buffer)
+        self.prefix_row_3d = bool(prefix_row_3d)  # the fma prefix loads its rows 3-D (_prefix_row); not yet timed
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
         self.column_impl = column_impl or default_column_impl(d // heads, heads, group >= n, suffix_impl)
         group = group or balanced_group(n, DEFAULT_GROUP)
@@ -357,7 +360,7 @@ class FullRouting:
             s0, s0, c, self.n_sites, self.p, self.shape[2], self.heads, self.k,
             C_P=c_p, BLOCK_T=block_t, K_W=self.k_w, ACC=self.acc_tl, UNROLL=self.prefix_unroll(),
             R_B=max(1, min(PREFIX_ROW_BLOCK, pow2_floor(self.tile // (c_p * block_t)))), STAGES=self.prefix_stages(),
-            num_warps=self.prefix_warps or self.num_warps, key=self._key,
+            ROW_3D=self.prefix_row_3d, num_warps=self.prefix_warps or self.num_warps, key=self._key,
         )
 
     # ---------------------------------------------------------------- backward

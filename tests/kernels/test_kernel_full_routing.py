@@ -155,11 +155,12 @@ def test_unroll_and_tiling_change_nothing():
     fma = dict(prefix_impl="fma", suffix_impl="fma")  # the unroll knobs belong to the CUDA-core passes
     base = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, prefix_unroll=1,
                              suffix_unroll=1, **fma)
-    for prefix, suffix in ((2, 2), (4, 4), (4, 1), (1, 2)):
+    for prefix, suffix, row_3d in ((2, 2, 0), (4, 4, 0), (4, 1, 0), (1, 2, 0), (1, 1, 1), (4, 2, 1)):
+        # row_3d: the prefix loads its rows in the accumulator's 3-D shape, the same operations in the same order
         got = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, prefix_unroll=prefix,
-                                suffix_unroll=suffix, **fma)
+                                suffix_unroll=suffix, prefix_row_3d=row_3d, **fma)
         assert all(torch.equal(a, b) for a, b in zip(got, base)), (
-            f"unroll {prefix}/{suffix} (seed {gen.initial_seed()})")
+            f"unroll {prefix}/{suffix} row_3d {row_3d} (seed {gen.initial_seed()})")
     for impl in IMPLS:  # other token tiles, warps and column tiles, for every kernel version
         tiled = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, suffix_tokens=8,
                                   suffix_warps=8, prefix_tokens=4, prefix_warps=2, column_tokens=2,
@@ -318,6 +319,7 @@ def test_column_blocks_change_nothing():
     (dict(prefix_stages=-1), "prefix_stages"),
     (dict(group=-1), "group \\(-1\\) >= 0"),
     (dict(row_dl_buffer=2), "row_dl_buffer must be 0 or 1"),
+    (dict(prefix_row_3d=-1), "prefix_row_3d must be 0 or 1"),
 ])
 def test_bad_knobs_are_named(knobs, message):
     x = torch.zeros(1, 2, 4)
