@@ -97,23 +97,18 @@ def _signature(kernel, args, constexprs):
     return sig, attrs
 
 
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """Triton's bundled cuobjdump run on a cubin (-res-usage: registers and stack; -sass: the machine code)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+
+
 def _usage(cubin: bytes) -> str:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", out)
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", _cuobjdump(cubin, "-res-usage"))
     return f"regs {m.group(1)} spill stack {m.group(2)}" if m else "usage unknown"
-
-
-def _dump_sass(cubin: bytes, path: str) -> None:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        with open(path, "w") as out:
-            subprocess.run([tool, "-sass", f.name], stdout=out, text=True, check=True)
 
 
 def compile_all(shape_names, dtype, knobs, arch=90, mode="full", sass_dir=None):
@@ -143,7 +138,8 @@ def compile_all(shape_names, dtype, knobs, arch=90, mode="full", sass_dir=None):
                 if sass_dir:
                     os.makedirs(sass_dir, exist_ok=True)
                     stem = os.path.join(sass_dir, f"{shape_name}_{kernel.__name__}_{len(seen)}")
-                    _dump_sass(compiled.asm["cubin"], stem + ".sass")
+                    with open(stem + ".sass", "w") as f:
+                        f.write(_cuobjdump(compiled.asm["cubin"], "-sass"))
                     with open(stem + ".ttgir", "w") as f:  # the layouts and their conversions
                         f.write(compiled.asm["ttgir"])
                 print(f"{label}  {_usage(compiled.asm['cubin'])} smem {shared} async copies {asyncs} {widths}",
@@ -161,7 +157,8 @@ def main():
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     parser.add_argument("--mode", default="full", choices=["full", "block"])
-    parser.add_argument("--sass", metavar="DIR", help="write each kernel configuration's SASS (cuobjdump) and TTGIR into DIR")
+    parser.add_argument("--sass", metavar="DIR",
+                        help="write each kernel configuration's SASS (cuobjdump) and TTGIR into DIR")
     parser.add_argument("knobs", nargs="*", help="FullRouting / BlockRouting keywords name=value")
     args = parser.parse_args()
     knobs = {}

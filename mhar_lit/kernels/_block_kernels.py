@@ -22,10 +22,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mhar_lit.kernels._routing_kernels import (_dout_rows, _full_row_tile, _full_row_tile_at, _online_update,
-                                               _pair_grads, _pair_grads_per_head, _query_grad_kr, _query_grad_row,
-                                               _query_grad_store, _query_grad_tile, _rsqrt_mean_square, _site_w,
-                                               _to_storage)
+from mhar_lit.kernels._routing_kernels import (_dl_buffer, _dout_rows, _full_row_tile, _full_row_tile_at,
+                                               _keep_dl, _online_update, _pair_grads, _pair_grads_per_head,
+                                               _query_grad_kr, _query_grad_row, _query_grad_store, _query_grad_tile,
+                                               _rsqrt_mean_square, _site_w, _to_storage)
 
 
 @triton.jit(do_not_specialize=["site", "n_blk", "span", "add_prev"])
@@ -169,9 +169,7 @@ def _block_pass_bwd_kernel(
     col = tl.broadcast_to(col_HK[None, :, :], (BLOCK_T, H_P, K_P))  # w's offsets as a full tile
     dv = tl.zeros([BLOCK_T, H_P, K_P], ACC)
     c = tl.zeros([BLOCK_T, H_P], ACC)  # per head; summed over the heads once, after the loop
-    if SLOTS_P > 0:  # every pair's dl, stored after the loop
-        slots = tl.arange(0, SLOTS_P)[None, None, :]
-        dls = tl.zeros([BLOCK_T, H_P, SLOTS_P], ACC)
+    slots, dls = _dl_buffer(BLOCK_T, H_P, SLOTS_P, ACC)  # every pair's dl, stored after the loop (SLOTS_P > 0)
     for slot in tl.range(0, n_slots, SLOT_UNROLL, num_stages=STAGES):
         dout, S, lse, w = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, w_lo_ptr, slot, s_lo,
                                             slot < n_slots, tile, mask, th, mask_th, col, col_HK, mask_hk, P, D,
@@ -183,19 +181,13 @@ def _block_pass_bwd_kernel(
         dv_s, dl, c_s = _pair_grads_per_head(v, kr, r, dout, w, lse, S)
         dv += dv_s
         c += c_s
-        if SLOTS_P > 0:
-            dls = tl.where(slots == slot, dl[:, :, None], dls)
-        else:
-            tl.store(dl_ptr + _dl_offsets(s_lo + slot, j, NB, P, H, zth), dl, mask=mask_th)
+        dls = _keep_dl(dls, slots, slot, dl, dl_ptr + _dl_offsets(s_lo + slot, j, NB, P, H, zth), mask_th, SLOTS_P)
         if SLOT_UNROLL == 2:
             dv_s, dl, c_s = _pair_grads_per_head(v, kr, r, dout2, w2, lse2, S2)
             dv += dv_s
             c += c_s
-            if SLOTS_P > 0:
-                dls = tl.where(slots == slot + 1, dl[:, :, None], dls)
-            else:
-                tl.store(dl_ptr + _dl_offsets(s_lo + slot + 1, j, NB, P, H, zth), dl,
-                         mask=mask_th & (slot + 1 < n_slots))
+            dls = _keep_dl(dls, slots, slot + 1, dl, dl_ptr + _dl_offsets(s_lo + slot + 1, j, NB, P, H, zth),
+                           mask_th & (slot + 1 < n_slots), SLOTS_P)
     if SLOTS_P > 0:
         site_rows = (tl.full([], 0, tl.int64) + s_lo + slots) * (NB + 1) * H * P  # the dl table's [site, j] rows
         tl.store(dl_ptr + site_rows + j * H * P + zth[:, :, None], dls,
@@ -218,8 +210,6 @@ def _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, w_lo_ptr, slot, s_lo
     lse = tl.load(lse_ptr + (s_lo + slot) * P * H + th, mask=mask_th & ok, other=float("inf"))
     w = _site_w(w_ptr, w_lo_ptr, (s_lo + slot) * D, col, mask & ok, col_HK, mask_hk & ok, ACC, W_TILE, SPLIT_W)
     return dout, S, lse, w
-
-
 
 
 @triton.jit(do_not_specialize=["span"])

@@ -432,6 +432,30 @@ def _site_w(w_ptr, w_lo_ptr, base, col, mask, col_HK, mask_hk, ACC: tl.constexpr
 
 
 @triton.jit
+def _dl_buffer(BLOCK_T: tl.constexpr, H_P: tl.constexpr, SLOTS_P: tl.constexpr, ACC: tl.constexpr):
+    """(slot index [1, 1, SLOTS_P], zero buffer [BLOCK_T, H_P, SLOTS_P]) for a loop's pairs' dl, kept in
+    registers and stored once after the loop: a store of a reduced [BLOCK_T, H_P] tensor is a layout conversion
+    through shared memory with two barriers, one per pair in the loop. SLOTS_P = 0: no buffer (placeholders)."""
+    if SLOTS_P > 0:
+        slots = tl.arange(0, SLOTS_P)[None, None, :]
+        dls = tl.zeros([BLOCK_T, H_P, SLOTS_P], ACC)
+    else:
+        slots = 0
+        dls = 0.0
+    return slots, dls
+
+
+@triton.jit
+def _keep_dl(dls, slots, slot, dl, ptrs, mask, SLOTS_P: tl.constexpr):
+    """A pair's dl [BLOCK_T, H_P]: into slot `slot` of the buffer (SLOTS_P > 0, _dl_buffer), else stored now."""
+    if SLOTS_P > 0:
+        dls = tl.where(slots == slot, dl[:, :, None], dls)
+    else:
+        tl.store(ptrs, dl, mask=mask)
+    return dls
+
+
+@triton.jit
 def _pair_grads(v, kr, r, dout, w_HK, lse, S):
     """One (site, source) pair on full-row tiles: the source gradient before the RMSNorm coupling (value path +
     per-head key path: alpha dout + r dl w), the pair's dl [BLOCK_T, H_P] and its coupling sum_h dl logit
@@ -911,11 +935,8 @@ def _column_row_bwd_kernel(
     if tl.program_id(0) == 0:  # dout_new enters the table of douts for the sources before src
         tl.store(dout_ptrs_ptr + src, dout_addr)
     tl.store(S_ptr + src * P * H + th, S, mask=mask_th)
-    if G_P > 0:  # slot i: the pair (src + i, src)
-        slots = tl.arange(0, G_P)[None, None, :]
-        dls = tl.where(slots == 0, dl[:, :, None], tl.zeros([BLOCK_T, H_P, G_P], ACC))
-    else:
-        tl.store(dl_ptr + pair0 * H * P + zth, dl, mask=mask_th)
+    slots, dls = _dl_buffer(BLOCK_T, H_P, G_P, ACC)  # slot i: the pair (src + i, src); stored after the loop
+    dls = _keep_dl(dls, slots, 0, dl, dl_ptr + pair0 * H * P + zth, mask_th, G_P)
     # in-group sites (their dout in the table, their S in the buffer), each step's loads issued one step ahead
     for s in range(src + 1, g_end):
         dl_s, dv, c = _row_pair(dout_j, S_j, logit_j, lse_j, w_j, v_raw, r, mask_th, dv, c, ACC)
@@ -924,10 +945,7 @@ def _column_row_bwd_kernel(
                                                           s + 1, g_end, pair0, src, tile, mask, th, zth, mask_th,
                                                           col, col_HK, mask_hk, P, D, H, store_ty, ACC, W_TILE,
                                                           SPLIT_W)
-        if G_P > 0:
-            dls = tl.where(slots == s - src, dl_s[:, :, None], dls)
-        else:
-            tl.store(dl_ptr + z_off, dl_s, mask=mask_th)
+        dls = _keep_dl(dls, slots, s - src, dl_s, dl_ptr + z_off, mask_th, G_P)
     if G_P > 0:
         tl.store(dl_ptr + (pair0 + slots) * H * P + zth[:, :, None], dls,
                  mask=mask_th[:, :, None] & (slots < g_end - src))
