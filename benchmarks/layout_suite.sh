@@ -9,9 +9,12 @@ set -uo pipefail
 OUT_DIR=${1:?output folder}; BUDGET=${2:-560}
 source "$(dirname "$0")/suite_steps.sh"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
-step block_routing 24 python3 benchmarks/block_routing.py --graph --profile --variants triton \
-  --configs default pass_w_tile=1 pass_w_tile=1,pass_dl_buffer=1 --out "$OUT_DIR/block"
-step routing 40 python3 benchmarks/routing.py --graph --variants triton --tune \
+# (the last config: per-site kernels at 2 warps x 2048 elements, twice the programs per SM with the pass as it is;
+# session 15 timed 2 x 2048 only for every kernel at once, session 16 only 8 warps x 2048)
+step block_routing 34 python3 benchmarks/block_routing.py --graph --profile --variants triton \
+  --configs default pass_w_tile=1 pass_w_tile=1,pass_dl_buffer=1 pass_w_tile=1,pass_tile_elements=2048 \
+  num_warps=2,tile_elements=2048,pass_tile_elements=4096 --out "$OUT_DIR/block"
+step routing 50 python3 benchmarks/routing.py --graph --variants triton --tune \
   --grid "row_w_tile=1;row_w_tile=1,row_dl_buffer=1;prefix_row_3d=1;row_w_tile=1,prefix_row_3d=1" --out "$OUT_DIR/full"
 BEST=$(python3 - "$OUT_DIR/block" <<'PY'
 import glob, json, sys

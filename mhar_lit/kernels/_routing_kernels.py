@@ -418,7 +418,7 @@ def _site_w(w_ptr, w_lo_ptr, base, col, mask, col_HK, mask_hk, ACC: tl.constexpr
             SPLIT_W: tl.constexpr):
     """A site's w = q g (its row starts at `base`), broadcastable to the [BLOCK_T, H_P, K_P] row tile.
     W_TILE: loaded as a full tile (`col`, `mask`: the tile's column offsets and mask; the same row for every
-    token) in the rows' dtype, so that it arrives in the register layout of the rows and douts; with 16-bit
+    token) in the rows' dtype, so that it arrives in the register layout of the rows and douts; with bf16
     rows (SPLIT_W) as two parts w = hi + lo (routing_triton.split_w). Else a [1, H_P, K_P] load of the fp32 w
     (`col_HK`, `mask_hk`), which Triton converts into the rows' layout through shared memory with two
     barriers (sm_90 TTGIR and SASS, 2026-12-05): a loop that loads w per site pays them per site."""

@@ -64,12 +64,13 @@ def accumulator(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype]:
 def split_w(w_SD: Tensor, dtype: torch.dtype) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """w = q g (compute dtype) for kernels that load it as a full row tile in the rows' dtype, so that it
     arrives in the register layout of the rows (a [H, K] fp32 load is converted into that layout through
-    shared memory, with two barriers, every time: _routing_kernels._site_w). With 16-bit rows: w rounded to
-    hi + lo, hi = w in that dtype and lo = the rest in it (16 significant bits in bf16, relative error
-    <= 2^-17, far below the rows' own rounding), returned as that rounded w and its parts (hi, lo), so that
-    kernels that use w in the compute dtype can use the same value. Otherwise (w, (w, w)): the same tensor
-    twice, which tells the kernels there is no second part."""
-    if dtype not in (torch.bfloat16, torch.float16):
+    shared memory, with two barriers, every time: _routing_kernels._site_w). With bf16 rows: w rounded to
+    hi + lo, hi = w in bf16 and lo = the rest in bf16 (16 significant bits, relative error <= 2^-17, far below
+    the rows' own rounding), returned as that rounded w and its parts (hi, lo), so that kernels that use w in
+    the compute dtype can use the same value. Otherwise (w, (w, w)), the same tensor twice: no second part.
+    (fp16 rows are not split: a w beyond fp16's range would become inf, and checking for that would make the
+    host wait for the GPU. Their kernels load the fp32 w, correct but converted as before.)"""
+    if dtype != torch.bfloat16:
         w_SD = w_SD.contiguous()
         return w_SD, (w_SD, w_SD)
     hi = w_SD.to(dtype)

@@ -17,6 +17,7 @@ from kernel_helpers import (ShiftToMisaligned, block_mode_output_and_grads, bloc
 
 from mhar_lit.kernels import launch as fast_launch  # noqa: E402
 from mhar_lit.kernels.block_routing import BlockRouting  # noqa: E402
+from mhar_lit.kernels.routing_triton import split_w  # noqa: E402
 
 NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
 
@@ -110,6 +111,31 @@ def test_bf16_within_reference_rounding_error(knobs):
     got = block_mode_output_and_grads("triton", *problem, 4, 4, torch.bfloat16, **knobs)
     for name, a, r, x in zip(NAMES, got, ref, exact):
         assert rel(a, x) <= 2 * rel(r, x) + 1e-3, f"{name}: {rel(a, x):.2e} vs {rel(r, x):.2e}"
+
+
+@pytest.mark.parametrize("knobs", [{}, dict(pass_w_tile=1, pass_dl_buffer=1)])  # fp16: w not split (split_w)
+def test_fp16_within_reference_rounding_error(knobs):
+    gen = fresh_generator()
+    problem = block_mode_problem(4, 32, gen, b=2, t=4)
+    exact = block_mode_output_and_grads("torch", *problem, 4, 4, torch.float64)
+    ref = block_mode_output_and_grads("torch", *problem, 4, 4, torch.float16)
+    got = block_mode_output_and_grads("triton", *problem, 4, 4, torch.float16, **knobs)
+    for name, a, r, x in zip(NAMES, got, ref, exact):
+        assert rel(a, x) <= 2 * rel(r, x) + 1e-3, f"{name}: {rel(a, x):.2e} vs {rel(r, x):.2e}"
+
+
+def test_split_w_parts():
+    """bf16 rows: w rounded to hi + lo (bf16 parts; |w - hi - lo| <= 2^-17 |w|), the rounded value returned
+    with them; other dtypes: w itself and no second part (the same tensor twice)."""
+    gen = fresh_generator()
+    w = torch.randn(5, 64, generator=gen) * torch.randn(5, 64, generator=gen).exp()
+    rounded, (hi, lo) = split_w(w, torch.bfloat16)
+    assert hi.dtype == lo.dtype == torch.bfloat16 and torch.equal(hi, w.to(torch.bfloat16))
+    assert torch.equal(rounded, hi.float() + lo.float())
+    assert ((w - rounded).abs() <= 2.0 ** -17 * w.abs()).all()
+    for dtype in (torch.float16, torch.float32):
+        same, (a, b) = split_w(w, dtype)
+        assert torch.equal(same, w) and a is same and b is same
 
 
 def test_block_pass_options_match_the_default_in_bf16():

@@ -378,6 +378,19 @@ def test_bf16_within_reference_rounding_error(impl):
             assert rel(a, e) <= 2 * rel(r, e) + 1e-3, f"{knobs} {name}: {rel(a, e):.2e} vs {rel(r, e):.2e}"
 
 
+@pytest.mark.parametrize("knobs", [{}, dict(row_w_tile=1, row_dl_buffer=1, prefix_row_3d=1)])
+def test_fp16_within_reference_rounding_error(knobs):
+    """fp16 storage (its w is not split into parts: routing_triton.split_w), defaults and the loop options."""
+    gen = fresh_generator()
+    problem = full_mode_problem(7, 2, 4, 32, gen)
+    exact = full_mode_output_and_grads("torch", *problem, 4, torch.float64)
+    ref = full_mode_output_and_grads("torch", *problem, 4, torch.float16)
+    got = full_mode_output_and_grads("triton", *problem, 4, torch.float16, column_impl="row", group=3,
+                                     prefix_impl="fma", **knobs)
+    for name, a, r, e in zip(NAMES, got, ref, exact):
+        assert rel(a, e) <= 2 * rel(r, e) + 1e-3, f"{knobs} {name}: {rel(a, e):.2e} vs {rel(r, e):.2e}"
+
+
 @pytest.mark.parametrize("suffix_impl", PASS_IMPLS)
 def test_row_kernel_options_match_the_default_in_bf16(suffix_impl):
     """row_w_tile: the row column kernel's key path with w as bf16 hi + lo (|w - hi - lo| <= 2^-17 |w|) instead
