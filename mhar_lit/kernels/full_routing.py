@@ -228,10 +228,11 @@ class FullRouting:
             self.q_SD = query_SD.detach().to(self.acc_t).clone()
             self.g_SD = norm_weight_SD.detach().to(self.acc_t).clone()
             self.w_SD = (self.q_SD * self.g_SD).contiguous()
-            # with row_w_tile the row column kernel loads w in the rows' dtype (hi + lo, as w_terms for bf16; it
-            # uses w only in the key path: the logits come from the forward's z)
-            self.w_parts = split_w(self.w_SD, self.dtype)[1]
-            self.w_terms = self._w_terms()
+            # w as the tensor-core operands of the logits and key-path kernels, split once here rather than in
+            # every program: with bf16 storage two bf16 terms hi + lo (|w - hi - lo| <= 2^-17 |w|), otherwise w
+            # itself twice. With row_w_tile the row column kernel loads them too (its key path; the logits
+            # come from the forward's z).
+            self.w_terms = split_w(self.w_SD, self.dtype)[1]
         self.rows = torch.empty(n, self.p, d, dtype=self.dtype, device=self.device)
         self.r = torch.empty(n, self.p, dtype=self.acc_t, device=self.device)
         self.lse = torch.empty(n, self.p, heads, dtype=self.acc_t, device=self.device)
@@ -242,15 +243,6 @@ class FullRouting:
         self.next_backward = n - 1
         self._chunk_state: Optional[tuple[Tensor, Tensor, Tensor]] = None
         self._bwd: Optional[dict] = None
-
-    def _w_terms(self) -> tuple[Tensor, Tensor]:
-        """w = q g as the tensor-core operands of the logits and key-path kernels, split once here rather than
-        in every program: with bf16 storage two bf16 terms hi + lo (round to nearest even, as _bf16_split;
-        |w - hi - lo| <= 2^-17 |w|), otherwise w itself in the compute dtype (the second term unused)."""
-        if self.dtype != torch.bfloat16:
-            return self.w_SD, self.w_SD
-        hi = self.w_SD.to(torch.bfloat16)
-        return hi, (self.w_SD - hi.float()).to(torch.bfloat16)
 
     # ---------------------------------------------------------------- public
     def route(self, site: int, source_BTD: Tensor, query_SD: Optional[Tensor] = None,
@@ -506,13 +498,13 @@ class FullRouting:
         dsrc_PD = torch.empty(p, d, dtype=self.dtype, device=self.device)
         block_t = self.column_tokens or tile_tokens(self.h_p * self.k_p, ROW_COLUMN_TILE)
         launch(kern._column_row_bwd_kernel, (triton.cdiv(p, block_t),),
-            self.rows, self.r, *(self.w_parts if self.row_w_tile else (self.w_SD, self.w_SD)), self.lse, bw["S"],
+            self.rows, self.r, *(self.w_terms if self.row_w_tile else (self.w_SD, self.w_SD)), self.lse, bw["S"],
             bw["dout_ptrs"], dout, out_BTD,
             self.z, bw["dl"], self._part_dv(g_end), self._part_c(g_end), dsrc_PD,
             site, g_end, site - g0, n, p, d, self.heads, self.k, dout.data_ptr(),
             HAS_SUFFIX=g_end < n, SUFFIX_KEYS=self.suffix_keys(), BLOCK_T=block_t, H_P=self.h_p, K_P=self.k_p,
             ACC=self.acc_tl, W_TILE=self.row_w_tile,
-            SPLIT_W=self.row_w_tile and self.w_parts[0] is not self.w_parts[1],
+            SPLIT_W=self.row_w_tile and self.w_terms[0] is not self.w_terms[1],
             G_P=pow2(self.group) if self.row_dl_buffer and pow2(self.group) <= ROW_DL_BUFFER_MAX else 0,
             num_warps=self.column_warps or ROW_COLUMN_WARPS, key=(self._key, aligned(dout), aligned(out_BTD)),
         )
