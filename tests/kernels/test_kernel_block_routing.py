@@ -102,26 +102,16 @@ def test_float64_equals_reference_and_gradcheck():
     assert torch.autograd.gradcheck(fn, tuple(leaf(emb, q, g)), eps=1e-6, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("knobs", [{}, dict(pass_w_tile=1, pass_dl_buffer=1)])  # w as bf16 hi + lo in the pass
-def test_bf16_within_reference_rounding_error(knobs):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("knobs", [{}, dict(pass_w_tile=1, pass_dl_buffer=1)])  # bf16: w as hi + lo in the pass
+def test_16_bit_storage_within_reference_rounding_error(dtype, knobs):
     gen = fresh_generator()
     problem = block_mode_problem(4, 32, gen, b=2, t=4)
     exact = block_mode_output_and_grads("torch", *problem, 4, 4, torch.float64)
-    ref = block_mode_output_and_grads("torch", *problem, 4, 4, torch.bfloat16)
-    got = block_mode_output_and_grads("triton", *problem, 4, 4, torch.bfloat16, **knobs)
+    ref = block_mode_output_and_grads("torch", *problem, 4, 4, dtype)
+    got = block_mode_output_and_grads("triton", *problem, 4, 4, dtype, **knobs)
     for name, a, r, x in zip(NAMES, got, ref, exact):
-        assert rel(a, x) <= 2 * rel(r, x) + 1e-3, f"{name}: {rel(a, x):.2e} vs {rel(r, x):.2e}"
-
-
-@pytest.mark.parametrize("knobs", [{}, dict(pass_w_tile=1, pass_dl_buffer=1)])  # fp16: w not split (split_w)
-def test_fp16_within_reference_rounding_error(knobs):
-    gen = fresh_generator()
-    problem = block_mode_problem(4, 32, gen, b=2, t=4)
-    exact = block_mode_output_and_grads("torch", *problem, 4, 4, torch.float64)
-    ref = block_mode_output_and_grads("torch", *problem, 4, 4, torch.float16)
-    got = block_mode_output_and_grads("triton", *problem, 4, 4, torch.float16, **knobs)
-    for name, a, r, x in zip(NAMES, got, ref, exact):
-        assert rel(a, x) <= 2 * rel(r, x) + 1e-3, f"{name}: {rel(a, x):.2e} vs {rel(r, x):.2e}"
+        assert rel(a, x) <= 2 * rel(r, x) + 1e-3, f"{dtype} {name}: {rel(a, x):.2e} vs {rel(r, x):.2e}"
 
 
 def test_split_w_parts():
