@@ -141,7 +141,7 @@ class FullRouting:
                  keypath_tokens: int = 0, keypath_warps: int = 0, keypath_width: int = 0,
                  column_sites: int = 0, column_impl: str = "", prefix_stages: int = 0,
                  logits_tokens: int = 0, row_w_tile: int = 0, row_dl_buffer: int = 0,
-                 prefix_row_3d: int = 0) -> None:
+                 prefix_row_3d: int = 0, merge_tokens: int = 0) -> None:
         if embedding_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
         b, t, d = embedding_BTD.shape
@@ -168,7 +168,8 @@ class FullRouting:
                              f"row tile and suffix pass), got {column_impl!r}")
         for name, tokens, warps in (("suffix", suffix_tokens, suffix_warps), ("column", column_tokens, column_warps),
                                     ("prefix", prefix_tokens, prefix_warps),
-                                    ("keypath", keypath_tokens, keypath_warps), ("logits", logits_tokens, 0)):
+                                    ("keypath", keypath_tokens, keypath_warps), ("logits", logits_tokens, 0),
+                                    ("merge", merge_tokens, 0)):
             if tokens < 0 or tokens & (tokens - 1) or warps < 0:
                 raise ValueError(f"{name}_tokens ({tokens}) must be 0 (automatic) or a power of two, "
                                  f"{name}_warps ({warps}) 0 (automatic) or positive")
@@ -180,6 +181,10 @@ class FullRouting:
         check_device(embedding_BTD, query_SD, norm_weight_SD)
         self.row_w_tile, self.row_dl_buffer = bool(row_w_tile), bool(row_dl_buffer)
         self.prefix_row_3d = bool(prefix_row_3d)  # the fma prefix loads its rows 3-D (_prefix_row); not yet timed
+        # Tokens per merge program (0: from the tile, 8 at 100M). sm_90 (2026-12-05): its ~1000 instructions per
+        # 8-token program are mostly per-program work (addresses, masks, the same per-token values loaded in
+        # several layouts); 16 tokens take 1112. Not yet timed.
+        self.merge_tokens = merge_tokens
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
         self.column_impl = column_impl or default_column_impl(d // heads, heads, group >= n, suffix_impl)
         group = group or balanced_group(n, DEFAULT_GROUP)
@@ -292,7 +297,7 @@ class FullRouting:
         out_PD = torch.empty(self.p, d, dtype=self.dtype, device=self.device)
         m, l, acc = self._chunk_state if s0 > 0 else (self.lse, self.lse, self.lse)
         c_p = pow2(self.chunk)
-        block_t = tile_tokens(c_p * self.k_w, self.tile)  # the in-chunk rows' [tokens, C_P, K_W] tile
+        block_t = self.merge_tokens or tile_tokens(c_p * self.k_w, self.tile)  # the rows' [tokens, C_P, K_W] tile
         launch(kern._merge_fwd_kernel, (triton.cdiv(self.p, block_t), self.heads, self.k_blocks),
             self.rows, self.z, m, l, acc, out_PD, self.lse,
             s0, site, site - s0, self.n_sites, self.p, d, self.heads, self.k,

@@ -166,7 +166,7 @@ def test_unroll_and_tiling_change_nothing():
                                   suffix_warps=8, prefix_tokens=4, prefix_warps=2, column_tokens=2,
                                   column_warps=4, keypath_tokens=16, keypath_warps=2, keypath_width=16,
                                   column_sites=1, prefix_stages=3, logits_tokens=16, row_w_tile=1,
-                                  row_dl_buffer=1, **impl)
+                                  row_dl_buffer=1, merge_tokens=16, **impl)
         for name, a, b in zip(NAMES, tiled, base):
             assert rel(a, b) <= 1e-6, f"{impl} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
 
@@ -320,6 +320,7 @@ def test_column_blocks_change_nothing():
     (dict(group=-1), "group \\(-1\\) >= 0"),
     (dict(row_dl_buffer=2), "row_dl_buffer must be 0 or 1"),
     (dict(prefix_row_3d=-1), "prefix_row_3d must be 0 or 1"),
+    (dict(merge_tokens=12), "merge_tokens \\(12\\) must be 0 \\(automatic\\) or a power of two"),
 ])
 def test_bad_knobs_are_named(knobs, message):
     x = torch.zeros(1, 2, 4)
