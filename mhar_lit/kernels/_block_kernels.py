@@ -99,7 +99,8 @@ def _online_update_if(v, r, valid, w_HK, m, l, acc, store_ty: tl.constexpr):
 
 @triton.jit
 def _dl_offsets(site, slot, NB, P, H, zth):
-    """Offsets of the dl table [n, NB + 1, H, P] for one (site, slot) and a tile's zth = h * P + t offsets."""
+    """Offsets of the dl table [n, NB + 1, H, P] for (site, slot) (site may be a tensor of sites) and a tile's zth
+    = h * P + t offsets."""
     return ((tl.full([], 0, tl.int64) + site) * (NB + 1) + slot) * H * P + zth
 
 
@@ -188,9 +189,8 @@ def _block_pass_bwd_kernel(
             c += c_s
             dls = _keep_dl(dls, slots, slot + 1, dl, dl_ptr + _dl_offsets(s_lo + slot + 1, j, NB, P, H, zth),
                            mask_th & (slot + 1 < n_slots), SLOTS_P)
-    if SLOTS_P > 0:
-        site_rows = (tl.full([], 0, tl.int64) + s_lo + slots) * (NB + 1) * H * P  # the dl table's [site, j] rows
-        tl.store(dl_ptr + site_rows + j * H * P + zth[:, :, None], dls,
+    if SLOTS_P > 0:  # slot i is the site s_lo + i
+        tl.store(dl_ptr + _dl_offsets(s_lo + slots, j, NB, P, H, zth[:, :, None]), dls,
                  mask=mask_th[:, :, None] & (slots < n_slots))
     dv -= (r * r * tl.sum(c, axis=1) / D)[:, None, None] * v
     if not LAST:

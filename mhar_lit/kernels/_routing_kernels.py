@@ -212,7 +212,7 @@ def _prefix_row(rows_ptr, tile_TK, mask_TK, n, n_rows, row_stride, ROW_3D: tl.co
     """Row n's head slice in the storage dtype (zeros past the last row): [BLOCK_T, K_P], or with ROW_3D
     [1, BLOCK_T, K_P], loaded with the shape it is mixed in. (sm_90 TTGIR, 2026-12-05: a [BLOCK_T, K_P] row is
     converted into the accumulator's layout through shared memory, 512 fp32 per row at 100M; loaded 3-D, only
-    the [C_P, BLOCK_T] weights are: the loop's shared-memory stores 32 -> 8 per step, 148 -> 124 registers.)"""
+    the [C_P, BLOCK_T] weights are: the loop's shared-memory stores 32 -> 8 per step, 148 -> 126 registers.)"""
     if ROW_3D:  # a constexpr branch: one of the two is compiled
         v = tl.load(rows_ptr + n * row_stride + tile_TK[None, :, :], mask=mask_TK[None, :, :] & (n < n_rows),
                     other=0.0)
