@@ -94,10 +94,10 @@ NAMED_SIZES: dict[str, dict[str, Any]] = {
         intermediate_size=14336, rope_theta=500_000.0, rope_scaling=_LLAMA31_ROPE, rms_norm_eps=1e-5,
         tie_embeddings=False, qk_norm=False, max_position_embeddings=131_072,
     ),
-    # Small shapes for CPU tests and the demo.
-    "tiny": dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+    # Small shapes for CPU tests and the demo. The tiny vocabularies (320) cover the byte tokenizer's 257 ids.
+    "tiny": dict(vocab_size=320, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                  max_position_embeddings=512),
-    "tiny-4l": dict(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+    "tiny-4l": dict(vocab_size=320, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                     intermediate_size=128, max_position_embeddings=512),
     "demo": dict(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384,
                  max_position_embeddings=512),

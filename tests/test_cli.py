@@ -59,8 +59,7 @@ def _tiny_args(tmp_path, *extra, residual=True):
             (corpus / f"doc{i}.txt").write_text(" ".join(words[j] for j in idx))
     return [
         "--config", str(REPO / "configs/demo.yaml"),
-        "--model.size", "tiny",
-        "--model.model_overrides", '{"vocab_size": 257}',
+        "--model.size", "tiny",  # its vocab (320) covers the byte tokenizer's 257 ids: no override needed
         *(["--model.residual", "mhar_lit.residual.FullAttnRes", "--model.residual.init_args.heads", "4"] if residual else []),
         "--model.warmup_steps", "2",
         "--model.decay_steps", "8",

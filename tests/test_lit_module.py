@@ -78,13 +78,29 @@ def test_z_loss_and_loss_values():
     """Training loss is the mean token cross-entropy; z-loss adds weight x mean(logsumexp^2)."""
     torch.manual_seed(0)
     module = LanguageModel(size="tiny", residual=StandardResidual(), z_loss=1e-4)
-    batch = torch.randint(0, 256, (2, 11))
+    batch = torch.randint(0, module.config.vocab_size, (2, 11))
     ce, z, tokens = module._loss(batch)
     logits = module.model(batch[:, :-1]).float()
     assert tokens == 20
     torch.testing.assert_close(ce, torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
     torch.testing.assert_close(z, torch.logsumexp(logits, -1).pow(2).mean())
-    assert ce.item() == pytest.approx(math.log(256), abs=0.1)  # init logits are near-uniform
+    assert ce.item() == pytest.approx(math.log(module.config.vocab_size), abs=0.1)  # init logits are near-uniform
+
+
+def test_tokenizer_larger_than_the_vocab_is_a_clear_error():
+    """setup names the override to set when the data's tokenizer has more ids than the model's embedding; the tiny
+    sizes cover the byte tokenizer (257 ids) as they are."""
+    from types import SimpleNamespace
+
+    def setup_with(module, vocab):
+        module.trainer = SimpleNamespace(datamodule=SimpleNamespace(vocab_size=vocab))
+        module.setup("fit")
+
+    for size in ("tiny", "tiny-4l"):
+        setup_with(LanguageModel(size=size, residual=StandardResidual()), 257)
+    with pytest.raises(ValueError, match=r"tokenizer has 400 ids .* model.model_overrides.vocab_size >= 400"):
+        setup_with(LanguageModel(size="tiny", residual=StandardResidual()), 400)
+    setup_with(LanguageModel(size="tiny", residual=StandardResidual(), model_overrides={"vocab_size": 400}), 400)
 
 
 def test_validation_metric_keeps_full_precision_under_bf16_true():

@@ -356,11 +356,11 @@ def test_rms_norm_lean_backward_matches_plain_ops(dtype, weight_dtype):
     assert torch.autograd.gradcheck(lambda a, b: _RMSNormFunction.apply(a, b, 1e-6), (xs, ws))
 
 
-def _randomised(model, seed=7):
+def _randomised(model, seed=7, query_std=1.0):
     """Random routing queries and key-norm weights (g != 1, so folding g into q is exercised)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        model.residual.query.copy_(torch.randn(model.residual.query.shape, generator=gen))
+        model.residual.query.copy_(query_std * torch.randn(model.residual.query.shape, generator=gen))
         model.residual.key_norm.copy_(1 + 0.3 * torch.randn(model.residual.key_norm.shape, generator=gen))
     return model
 
@@ -380,16 +380,46 @@ def _logits_and_grads(model, x):
 @pytest.mark.parametrize("heads,layers_per_block", [(1, 1), (2, 2), (4, 4), (4, 1)])
 def test_two_phase_block_routing_equals_direct(dtype, tol, heads, layers_per_block):
     """SPEC D: the two-phase computation equals the direct block routing (SPEC asks ~1e-5 in fp32); forward and
-    every gradient, relative to the largest entry of each tensor. fp32 differs by summation order only."""
+    every gradient, relative to the largest entry of each tensor. fp32 differs by summation order only.
+
+    Queries of std 0.25 (softmaxes far from one-hot): 20 draws per case stay <= 4.5e-6. With std 1 the chain of
+    sharp softmaxes amplifies fp32 rounding to ~5e-5 in both computations alike (the direct one against float64
+    too), which the next test covers."""
     cfg = tiny()
     torch.manual_seed(0)
-    direct = _randomised(DecoderLM(cfg, BlockAttnRes(heads=heads, layers_per_block=layers_per_block))).to(dtype)
+    direct = _randomised(DecoderLM(cfg, BlockAttnRes(heads=heads, layers_per_block=layers_per_block)),
+                         query_std=0.25).to(dtype)
     two = copy.deepcopy(direct)
     two.residual.two_phase = True
     x = ids(cfg)
     for name, a, b in zip(["logits"] + [n for n, _ in direct.named_parameters()],
                           _logits_and_grads(direct, x), _logits_and_grads(two, x)):
         assert _max_rel(a, b) <= tol, (name, _max_rel(a, b))
+
+
+@pytest.mark.parametrize("heads,layers_per_block", [(1, 1), (2, 2)])
+def test_two_phase_as_accurate_as_direct_with_sharp_routing(heads, layers_per_block):
+    """Queries of std 1 (sharp softmaxes): against a float64 model, the fp32 two-phase computation's error (logits
+    and every gradient) is of the direct one's size: RMS over 6 draws within 3x, each draw within 10x. Measured
+    over 60 draws: per-draw ratio median 1.02, max 5.0 (H 1) / 2.2 (H 2); RMS ratio of 6 draws <= 1.64."""
+    seed = torch.seed() % 2**31  # fresh draws each run; printed on failure
+    errors = []
+    for draw in range(6):
+        cfg = tiny()
+        torch.manual_seed(seed + draw)
+        exact = _randomised(DecoderLM(cfg, BlockAttnRes(heads=heads, layers_per_block=layers_per_block)),
+                            seed=seed + draw).double()
+        x = ids(cfg, seed=seed + draw)
+        ref = _logits_and_grads(exact, x)
+        direct = copy.deepcopy(exact).float()
+        two = copy.deepcopy(direct)
+        two.residual.two_phase = True
+        errors.append([max(_max_rel(r, a.double()) for r, a in zip(ref, _logits_and_grads(m, x)))
+                       for m in (direct, two)])
+    err = torch.tensor(errors)
+    rms = err.pow(2).mean(0).sqrt()
+    assert rms[1] <= 3 * rms[0], (seed, errors)
+    assert (err[:, 1] <= 10 * err[:, 0]).all(), (seed, errors)
 
 
 def test_two_phase_bf16_within_the_direct_routings_rounding():
