@@ -1,6 +1,6 @@
 """Sweeps and paired comparisons over MLflow runs.
 
-    python -m mhar_lit sweep --config configs/base.yaml \\
+    python -m mhar_lit sweep --config configs/replication/base.yaml \\
         --grid config=configs/methods/baseline.yaml,configs/methods/mhar.yaml \\
         --grid model.lr=1e-3,5e-4 --grid seed_everything=1,2 [-- extra fit args]
 

@@ -204,8 +204,9 @@ class BlockAttnRes(RoutedResidual):
     two_phase=True (torch backend) computes the same routing as Kimi's two-phase refactoring (SPEC D): at a
     block's first site every site of the block is scored against the completed blocks at once (each block
     normalised and read once per block, not once per site), and each site then merges that softmax state with
-    the block's partial sum. Equal to the direct routing up to fp32 rounding order, faster and keeping fewer
-    bytes for the backward on the PyTorch backend (benchmarks/results/cpu_two_phase_2026-12-05). The triton
+    the block's partial sum. Equal to the direct routing up to fp32 rounding order and keeping fewer bytes for
+    the backward on the PyTorch backend; faster on CPU (benchmarks/results/cpu_two_phase_2026-12-05) and on the
+    H200 at 100M / 350M, slower there at 1B (block_routing.md, session 15). The triton
     backend has its own fused schedule and ignores it (with a warning).
     """
 

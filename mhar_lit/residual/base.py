@@ -1,7 +1,7 @@
 """The residual-strategy contract shared by every method.
 
 A strategy owns the depth state of one forward pass (a stream, n streams, or a list of sources) and
-answers three questions for the model's fixed depth loop (see mhar_lit.models.decoder):
+answers four questions for the model's fixed depth loop (see mhar_lit.models.decoder):
 
     begin(embedding)              -> state        the depth state before the first sublayer
     sublayer_input(state, s)      -> x_s          what sublayer s (2l = attention, 2l+1 = MLP) reads
