@@ -73,7 +73,7 @@ class ModelConfig:
     def from_name(cls, name: str, **overrides: Any) -> "ModelConfig":
         if name not in NAMED_SIZES:
             raise ValueError(f"unknown model size {name!r}; choose one of {sorted(NAMED_SIZES)}")
-        return cls(**{**NAMED_SIZES[name], "name": name, **overrides})
+        return cls.from_dict({**NAMED_SIZES[name], "name": name, **overrides})
 
 
 _LLAMA31_ROPE = {

@@ -87,6 +87,32 @@ def test_z_loss_and_loss_values():
     assert ce.item() == pytest.approx(math.log(module.config.vocab_size), abs=0.1)  # init logits are near-uniform
 
 
+@pytest.mark.parametrize("setting,value,expected", [
+    ("lr", 0.0, "model.lr must be > 0"),
+    ("min_lr_ratio", -2.0, r"model.min_lr_ratio must be in \[0, 1\]"),
+    ("min_lr_ratio", 1.5, r"model.min_lr_ratio must be in \[0, 1\]"),
+    ("tail_k", 0, "model.tail_k must be >= 1"),
+    ("tail_k", -1, "model.tail_k must be >= 1"),
+    ("weight_decay", -1.0, "model.weight_decay must be >= 0"),
+    ("warmup_steps", -3, "model.warmup_steps must be >= 0"),
+    ("decay_steps", 0, "model.decay_steps must be >= 1"),
+    ("grad_clip", -1.0, "model.grad_clip must be >= 0"),
+    ("z_loss", -1e-4, "model.z_loss must be >= 0"),
+    ("eps", 0.0, "model.eps must be > 0"),
+    ("betas", (0.9, 1.0), r"model.betas must be two values in \[0, 1\)"),
+])
+def test_settings_that_would_train_silently_wrong_are_refused(setting, value, expected):
+    """Each would have trained without an error (a negative lr from min_lr_ratio < 0, no warmup from a negative
+    warmup, clipping off from a negative grad_clip, a tail mean over every validation from tail_k 0)."""
+    with pytest.raises(ValueError, match=expected):
+        LanguageModel(size="tiny", **{setting: value})
+
+
+def test_unknown_model_override_names_the_key():
+    with pytest.raises(ValueError, match=r"unknown model config keys \['hidden'\]; known keys: .*hidden_size"):
+        LanguageModel(size="tiny", model_overrides={"hidden": 32})
+
+
 def test_tokenizer_larger_than_the_vocab_is_a_clear_error():
     """setup names the override to set when the data's tokenizer has more ids than the model's embedding; the tiny
     sizes cover the byte tokenizer (257 ids) as they are."""

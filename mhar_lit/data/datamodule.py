@@ -89,6 +89,8 @@ class TokenDataModule(L.LightningDataModule):
         super().__init__()
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
+        if val_batch_size is not None and val_batch_size < 1:  # 0 would silently become batch_size
+            raise ValueError(f"val_batch_size must be positive (or null: batch_size), got {val_batch_size}")
         self.save_hyperparameters()
         self.data = data
         self.seq_len = seq_len

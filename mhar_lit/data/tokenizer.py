@@ -65,7 +65,11 @@ class HFTokenizer:
                 f"tokenizer file not found: {self.path} (expected 'bytes', 'bpe:<vocab>' "
                 "or the path of a Hugging Face tokenizer.json)"
             )
-        self._tk = Tokenizer.from_file(str(self.path))
+        try:
+            self._tk = Tokenizer.from_file(str(self.path))
+        except Exception as err:  # the tokenizers library raises a bare Exception naming neither file nor format
+            raise ValueError(f"cannot read tokenizer {self.path}: {err} (expected a Hugging Face tokenizer.json)") \
+                from None
         self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._resolve_eos(self._eos_arg)
         digest = hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]

@@ -53,6 +53,27 @@ def _without_runtime_options(signature: dict[str, Any]) -> dict[str, Any]:
     return dict(signature, options=options)
 
 
+def _check_training_settings(**settings: Any) -> None:
+    """Refuse settings that would train silently wrong (a negative lr from min_lr_ratio < 0, an lr of 0, a tail
+    mean over every validation from tail_k 0), before anything runs; each error names the model.* key."""
+    rules = {
+        "lr": (lambda v: v > 0, "> 0"),
+        "betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1)"),
+        "eps": (lambda v: v > 0, "> 0"),
+        "weight_decay": (lambda v: v >= 0, ">= 0"),
+        "warmup_steps": (lambda v: v >= 0, ">= 0"),
+        "decay_steps": (lambda v: v is None or v >= 1, ">= 1 (or null: trainer.max_steps)"),
+        "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+        "grad_clip": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+        "z_loss": (lambda v: v >= 0, ">= 0"),
+        "tail_k": (lambda v: v >= 1, ">= 1"),
+    }
+    for name, value in settings.items():
+        ok, expected = rules[name]
+        if not ok(value):
+            raise ValueError(f"model.{name} must be {expected}, got {value!r}")
+
+
 class LanguageModel(L.LightningModule):
     """Next-token LM training for any residual strategy at any named size.
 
@@ -95,6 +116,9 @@ class LanguageModel(L.LightningModule):
         init_from: Optional[str] = None,
     ) -> None:
         super().__init__()
+        _check_training_settings(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps,
+                                 decay_steps=decay_steps, min_lr_ratio=min_lr_ratio, grad_clip=grad_clip,
+                                 z_loss=z_loss, tail_k=tail_k)
         self.save_hyperparameters()
         self.config = ModelConfig.from_name(size, **(model_overrides or {}))
         residual = residual if residual is not None else StandardResidual()

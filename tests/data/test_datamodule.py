@@ -150,6 +150,13 @@ def test_embedded_corpus_gives_code_batches(tmp_path):
     assert "def " in text and "import " in text
 
 
+@pytest.mark.parametrize("val_batch_size", [0, -1])
+def test_bad_val_batch_size_is_named(tmp_path, val_batch_size):
+    """0 used to become batch_size silently, -1 failed in torch's DataLoader naming `batch_size`."""
+    with pytest.raises(ValueError, match=f"val_batch_size must be positive .*got {val_batch_size}"):
+        TokenDataModule(None, val_batch_size=val_batch_size, cache_dir=str(tmp_path / "cache"))
+
+
 def test_too_little_data_for_one_batch_is_a_clear_error(tmp_path):
     write_jsonl(tmp_path / "tiny.jsonl", ["just a few words"])
     dm = TokenDataModule([str(tmp_path / "tiny.jsonl")], seq_len=64, batch_size=2, val_fraction=0.0,

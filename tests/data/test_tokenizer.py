@@ -52,6 +52,15 @@ def test_missing_tokenizer_path_names_the_path(tmp_path):
         load_tokenizer(str(missing))
 
 
+@pytest.mark.parametrize("text", ['{"version": "1.0"', '{"architectures": ["LlamaForCausalLM"]}'])
+def test_unreadable_tokenizer_file_names_the_file(tmp_path, text):
+    """A truncated tokenizer.json or another JSON file (a model's config.json) is named in the error."""
+    path = tmp_path / "tok.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"cannot read tokenizer .*tok\.json: .*expected a Hugging Face tokenizer"):
+        load_tokenizer(str(path))
+
+
 def test_hf_tokenizer_pickles_by_path(tmp_path):
     tk = load_tokenizer(str(write_word_tokenizer(tmp_path / "t.json", ["<|im_end|>"])))
     clone = pickle.loads(pickle.dumps(tk))
