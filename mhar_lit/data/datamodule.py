@@ -25,6 +25,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -182,6 +183,34 @@ class TokenDataModule(L.LightningDataModule):
                 prepared.val_dir, item_loader=TokensLoader(block_size=block), shuffle=False, drop_last=True
             )
         self._check_not_empty()
+
+    # ------------------------------------------------------------ resume
+
+    def _stream_settings(self) -> dict[str, Any]:
+        """What the training stream's saved position depends on (litdata refuses a state of another stream
+        without naming the setting that changed)."""
+        split = self.train_dataset.input_dir
+        return {"seq_len": self.seq_len, "shuffle": self.shuffle, "seed": self.shuffle_seed(),
+                "num_workers": self.num_workers, "prepared training split": str(split.url or split.path)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream_settings": self._stream_settings()} if self.train_dataset is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resuming a fit restores the training stream's position: refuse other stream settings, naming them.
+        (validate / test of a checkpoint may use other settings; checkpoints without the record pass.)"""
+        saved = state_dict.get("stream_settings")
+        fitting = self.trainer is not None and self.trainer.state.fn == "fit"
+        if not saved or not fitting or self.train_dataset is None:
+            return
+        now = self._stream_settings()
+        differ = [f"{key}: checkpoint {saved[key]!r}, now {now[key]!r}" for key in now
+                  if key in saved and saved[key] != now[key]]
+        if differ:
+            raise ValueError(
+                "resuming continues the checkpoint's training stream, which needs its data settings; these differ: "
+                + "; ".join(differ) + ". (The prepared split's path follows data.data, data.tokenizer, "
+                "data.val_fraction and data.cache_dir.) Resume with the checkpoint's settings")
 
     def shuffle_seed(self) -> int:
         """The explicit `seed`, else the global seed set by seed_everything (Lightning exports it), else 42."""

@@ -138,6 +138,29 @@ def test_lightning_checkpoint_resume_continues_with_the_next_batch(corpus, tmp_p
     assert all(torch.equal(a, b) for a, b in zip(resumed, full[3:]))
 
 
+@pytest.mark.parametrize("change,named", [
+    (dict(seq_len=SEQ - 8), "seq_len: checkpoint 31, now 23"),
+    (dict(val_fraction=0.2), "prepared training split: checkpoint"),
+    (dict(seed=5), "seed: checkpoint"),
+])
+def test_resume_with_other_stream_settings_names_them(corpus, tmp_path, change, named):
+    """litdata refused these with its own state keys (block_size, input_dir path); the error names the setting.
+    Validating or testing the same checkpoint with other settings stays allowed."""
+    path, _ = corpus
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    fit(make_dm(path, tmp_path), tmp_path, max_steps=3, callbacks=[ckpt])
+    last = str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
+    with pytest.raises(ValueError, match=f"resuming continues the checkpoint's training stream.*{named}"):
+        fit(make_dm(path, tmp_path, **change), tmp_path, max_steps=6, ckpt_path=last)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, limit_val_batches=1)
+    assert trainer.validate(Validator(), datamodule=make_dm(path, tmp_path, **change), ckpt_path=last) == [{}]
+
+
+class Validator(Recorder):
+    def validation_step(self, batch, batch_idx):
+        self.seen.append(batch.clone())
+
+
 def test_embedded_corpus_gives_code_batches(tmp_path):
     dm = TokenDataModule(None, seq_len=63, batch_size=2, num_workers=0, cache_dir=str(tmp_path / "cache"),
                          max_corpus_bytes=100_000, val_fraction=0.05)
