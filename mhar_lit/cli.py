@@ -69,6 +69,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
 
         def before_instantiate_classes(self) -> None:
             config = self.config[self.subcommand] if self.subcommand else self.config
+            check_run_inputs(self.subcommand, config)
             name_unnamed_mlflow_run(config)
 
         def add_arguments_to_parser(self, parser) -> None:
@@ -105,6 +106,36 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
         parser_kwargs={"default_env": True},
         auto_configure_optimizers=False,
     )
+
+
+def check_run_inputs(subcommand: Optional[str], config) -> None:
+    """Refuse, before a model is built or an MLflow run opened, what would otherwise fail late or run wrong:
+    a checkpoint file torch cannot read, an evaluation of a randomly initialised model, a root folder that
+    cannot be written (found by Lightning only at the first checkpoint save, after training)."""
+    from mhar_lit.lit.module import check_checkpoint_file
+
+    ckpt = config.get("ckpt_path")
+    special = ckpt in ("last", "best", "hpc") or str(ckpt).startswith("registry")  # Lightning resolves these
+    if ckpt and "://" not in str(ckpt) and not special:
+        check_checkpoint_file(str(ckpt))
+    init_from = (config.get("model") or {}).get("init_from")
+    if subcommand in ("validate", "test", "predict") and not ckpt and not init_from:
+        raise ValueError(f"`{subcommand}` without --ckpt_path (or model.init_from) would score a randomly "
+                         "initialised model: pass the checkpoint to evaluate")
+    root = (config.get("trainer") or {}).get("default_root_dir")
+    if subcommand == "fit" and root and "://" not in str(root):
+        _check_writable(str(root), "trainer.default_root_dir")
+
+
+def _check_writable(folder: str, setting: str) -> None:
+    import tempfile
+
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise ValueError(f"{setting} {folder!r} is not writable ({err.strerror}); checkpoints go there") from None
 
 
 def name_unnamed_mlflow_run(config) -> None:

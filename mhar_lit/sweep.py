@@ -19,6 +19,7 @@ import argparse
 import datetime as dt
 import itertools
 import json
+import os
 import math
 import secrets
 import statistics
@@ -103,9 +104,26 @@ def collect_runs(sweep_id: str, tracking_uris: str | list[str], experiment: str)
     return rows
 
 
+def local_store_path(tracking_uri: str) -> str | None:
+    """The file or folder of a local MLflow store URI (sqlite:///PATH, file:PATH or a plain path), else None."""
+    if tracking_uri.startswith("sqlite:///"):
+        return tracking_uri[len("sqlite:///"):]
+    if tracking_uri.startswith("file:"):
+        return tracking_uri[len("file://"):] if tracking_uri.startswith("file://") else tracking_uri[len("file:"):]
+    return None if "://" in tracking_uri else tracking_uri
+
+
+def require_existing_store(tracking_uri: str) -> None:
+    """Reading commands must not create a store: MLflow makes an empty one (and its folders) at a mistyped path."""
+    path = local_store_path(tracking_uri)
+    if path is not None and not os.path.exists(path):
+        raise SystemExit(f"error: no MLflow store at {path} (tracking URI {tracking_uri})")
+
+
 def _store_runs(sweep_id: str, tracking_uri: str, experiment: str) -> list[dict[str, Any]]:
     from mlflow.tracking import MlflowClient
 
+    require_existing_store(tracking_uri)
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:

@@ -169,6 +169,32 @@ def test_real_fit_subcommand_refuses_a_checkpoint_of_other_settings(tmp_path, mo
     build_cli(["fit", *_tiny_args(tmp_path, "--trainer.max_steps", "4", "--model.decay_steps", "4"), "--ckpt_path", ckpt])
 
 
+def test_run_inputs_are_checked_before_anything_runs(tmp_path, monkeypatch):
+    """Each used to fail late or run wrong: torch's zip-reader error for a truncated checkpoint (a text file
+    drew advice to load it with weights_only=False), `test` without a checkpoint scored a random model with
+    rc 0, an unwritable root folder surfaced at the first checkpoint save after training."""
+    monkeypatch.chdir(tmp_path)
+    first_cli, _ = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "2"))
+    good = Path(first_cli.trainer.checkpoint_callback.last_model_path)
+    truncated, text = tmp_path / "trunc.ckpt", tmp_path / "notes.ckpt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    text.write_text("hi")
+    for bad in (truncated, text):
+        for sub in ("fit", "validate"):
+            with pytest.raises(ValueError, match=f"{bad.name} is not a readable checkpoint"):
+                build_cli([sub, *_tiny_args(tmp_path, "--trainer.max_steps", "4"), "--ckpt_path", str(bad)])
+    for sub in ("validate", "test", "predict"):
+        with pytest.raises(ValueError, match=f"`{sub}` without --ckpt_path .* randomly initialised"):
+            build_cli([sub, *_tiny_args(tmp_path)])
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="trainer.default_root_dir .*a-file/runs' is not writable"):
+        build_cli(["fit", *_tiny_args(tmp_path, "--trainer.max_steps", "2",
+                                      "--trainer.default_root_dir", str(blocker / "runs"))])
+    tested = build_cli(["test", *_tiny_args(tmp_path), "--ckpt_path", str(good)])  # the good one still runs
+    assert tested.trainer.callback_metrics["test/loss"] > 0
+
+
 def test_test_and_predict_use_the_held_out_split(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli, _ = _fit(_tiny_args(tmp_path, "--trainer.max_steps", "2"))

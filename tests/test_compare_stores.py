@@ -38,3 +38,13 @@ def test_compare_pairs_across_stores_and_refuses_two_baselines(tmp_path, capsys)
         compare_main(["--sweep", "pool", "--tracking-uri", a, "--tracking-uri", b])
     with pytest.raises(SystemExit, match="no runs tagged sweep_id='nope'"):
         compare_main(["--sweep", "nope", "--tracking-uri", a])
+
+
+def test_compare_does_not_create_a_store_at_a_mistyped_uri(tmp_path):
+    """MLflow would create typo/dir/ and an empty database there, then report "no runs"."""
+    missing = tmp_path / "typo" / "dir" / "mlflw.db"
+    with pytest.raises(SystemExit, match=f"no MLflow store at {missing}"):
+        compare_main(["--sweep", "x", "--tracking-uri", f"sqlite:///{missing}"])
+    with pytest.raises(SystemExit, match="no MLflow store at"):
+        compare_main(["--sweep", "x", "--tracking-uri", str(tmp_path / "no-mlruns")])
+    assert not (tmp_path / "typo").exists() and not (tmp_path / "no-mlruns").exists()

@@ -320,6 +320,21 @@ class LanguageModel(L.LightningModule):
             )
 
 
+def check_checkpoint_file(path: str) -> None:
+    """Refuse a missing, truncated or foreign checkpoint file with its name, before anything loads it.
+
+    torch.save writes a zip archive whose directory is at its end, so a truncated copy or another kind of file
+    fails `zipfile.is_zipfile` (torch's own errors name neither the file nor the cause, or advise
+    weights_only=False for a text file)."""
+    import zipfile
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{path} is not a readable checkpoint: not a torch.save zip archive (truncated, or "
+                         "another kind of file)")
+
+
 def model_from_checkpoint(path: str, trust_pickle: bool = False) -> DecoderLM:
     """Rebuild the DecoderLM (config, strategy, weights) of an mhar_lit Lightning checkpoint, in eval mode.
 
@@ -330,8 +345,7 @@ def model_from_checkpoint(path: str, trust_pickle: bool = False) -> DecoderLM:
     import importlib
     import pickle
 
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+    check_checkpoint_file(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as err:
