@@ -1,6 +1,9 @@
 """HF checkpoint conversion: exact identity of delta conversion, parity with transformers, clear errors."""
 
+import errno
 import json
+import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -229,6 +232,12 @@ def test_unsupported_feature_field_is_named(tmp_path, single_hf):
     _expect_error(tmp_path, single_hf, "unsupported field 'attention_bias'")
 
 
+def test_unreadable_config_is_a_clear_error(tmp_path, single_hf):
+    (single_hf / "config.json").unlink()
+    (single_hf / "config.json").mkdir()
+    _expect_error(tmp_path, single_hf, re.escape(f"{single_hf / 'config.json'}: cannot read (Is a directory)"))
+
+
 def test_blocks_must_divide_depth(tmp_path, single_hf):
     with pytest.raises(ConversionError, match="num_hidden_layers 4 is not divisible by --num-blocks 3"):
         convert_hf(single_hf, tmp_path / "out", num_blocks=3)
@@ -251,6 +260,114 @@ def test_existing_output_needs_overwrite(tmp_path, single_hf):
     assert (out / "keep.txt").exists()
     convert_hf(single_hf, out, num_blocks=2, overwrite=True)
     assert not (out / "keep.txt").exists() and (out / "mhar_config.json").exists()
+
+
+@pytest.mark.parametrize("export", [False, True], ids=["convert", "export-hf"])
+@pytest.mark.parametrize("where", ["same", "inside", "parent"])
+def test_output_overlapping_the_source_is_refused(tmp_path, single_hf, capsys, export, where):
+    """--to that resolves to --from, lies inside it or contains it is refused even with --overwrite: source intact."""
+    src = convert_hf(single_hf, tmp_path / "std", strategy="standard") if export else single_hf
+    dst = {"same": src / ".." / src.name, "inside": src / "out", "parent": tmp_path}[where]
+    before = {f.name: f.read_bytes() for f in src.iterdir()}
+    flags = ["--export-hf"] if export else ["--num-blocks", "2"]
+    assert convert_main([*flags, "--from", str(src), "--to", str(dst), "--overwrite"]) == 1
+    relation = {"same": "is", "inside": "is inside", "parent": "contains"}[where]
+    assert capsys.readouterr().err == (f"convert: error: output directory {dst.resolve()} {relation} the source "
+                                       f"directory {src.resolve()}; choose a --to outside the source\n")
+    assert {f.name: f.read_bytes() for f in src.iterdir()} == before
+
+
+def _no_partial(tmp_path: Path) -> None:
+    assert not [p for p in tmp_path.rglob("*") if ".partial-" in p.name or ".old-" in p.name]
+
+
+def test_output_under_a_file_is_a_clear_error(tmp_path, single_hf, capsys):
+    (tmp_path / "somefile").write_text("x")
+    out = tmp_path / "somefile" / "out"
+    assert convert_main(["--from", str(single_hf), "--to", str(out), "--num-blocks", "2"]) == 1
+    assert capsys.readouterr().err == (f"convert: error: cannot create output directory {out}: "
+                                       f"{tmp_path / 'somefile'} is not a directory\n")
+    assert (tmp_path / "somefile").read_text() == "x"
+    _no_partial(tmp_path)
+
+
+def test_unwritable_output_parent_is_a_clear_error(tmp_path, single_hf, capsys, monkeypatch):
+    """A read-only file system (as root, chmod does not stop writes) fails naming --to, not the staging folder."""
+    def read_only(prefix, dir):
+        raise OSError(errno.EROFS, "Read-only file system", f"{dir}/{prefix}abcd")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    out = tmp_path / "new" / "deep" / "out"
+    assert convert_main(["--from", str(single_hf), "--to", str(out), "--num-blocks", "2"]) == 1
+    assert capsys.readouterr().err == f"convert: error: cannot create output directory {out}: Read-only file system\n"
+    assert not (tmp_path / "new").exists()  # the parents made for it are removed again
+
+
+@pytest.mark.parametrize("failure", ["disk-full", "staging-vanished", "rename-fails"])
+def test_write_failure_is_a_clear_error_and_keeps_the_old_output(tmp_path, single_hf, capsys, monkeypatch, failure):
+    """An OS error while writing (with --overwrite) names --to, removes the staging folder, keeps the old output."""
+    import shutil
+
+    from mhar_lit.convert import io
+
+    real_save, real_rename = io.save_file, io.os.rename
+
+    def failing_rename(src, dst):  # moving the finished staging folder into place fails after the old one moved
+        if ".partial-" in str(src):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(src), None, str(dst))
+        real_rename(src, dst)
+
+    def failing_save(tensors, filename, metadata=None):
+        if failure == "rename-fails":
+            return real_save(tensors, filename, metadata=metadata)
+        if failure == "staging-vanished":  # the real safetensors error (SafetensorError, not OSError)
+            shutil.rmtree(Path(filename).parent)
+            return real_save(tensors, filename, metadata=metadata)
+        real_save(tensors, filename, metadata=metadata)
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(io, "save_file", failing_save)
+    if failure == "rename-fails":
+        monkeypatch.setattr(io.os, "rename", failing_rename)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert convert_main(["--from", str(single_hf), "--to", str(out), "--num-blocks", "2", "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    if failure == "disk-full":
+        assert err == (f"convert: error: cannot write output directory {out}: [Errno 28] No space left on device: "
+                       f"'{out / 'model.safetensors'}'\n")
+    elif failure == "rename-fails":
+        assert err == f"convert: error: cannot write output directory {out}: [Errno 18] Invalid cross-device link: " \
+                      f"'{out}' -> '{out}'\n"
+    else:
+        assert err.startswith(f"convert: error: cannot write output directory {out}: Error while serializing: ")
+        assert ".partial-" not in err and str(out) in err.split(": ", 3)[-1]
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    _no_partial(tmp_path)
+
+
+def _write_tokenizer(path: Path, ids: int) -> None:
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(ids)}, unk_token="w0"))
+    assert tok.get_vocab_size(with_added_tokens=True) == ids
+    tok.save(str(path))
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, single_hf):
+    """A tokenizer.json whose ids exceed vocab_size (256) is not copied into a conversion or an export."""
+    _write_tokenizer(single_hf / "tokenizer.json", 300)
+    _expect_error(tmp_path, single_hf, re.escape(f"{single_hf / 'tokenizer.json'}: the tokenizer has 300 token ids "
+                                                 "but the model's vocab_size is 256; ids >= 256 have no embedding"))
+    _write_tokenizer(single_hf / "tokenizer.json", 256)
+    std = convert_hf(single_hf, tmp_path / "std", strategy="standard")
+    assert (std / "tokenizer.json").read_bytes() == (single_hf / "tokenizer.json").read_bytes()
+    _write_tokenizer(std / "tokenizer.json", 257)
+    with pytest.raises(ConversionError, match=re.escape(f"{std / 'tokenizer.json'}: the tokenizer has 257 token ids "
+                                                        "but the model's vocab_size is 256")):
+        export_hf(std, tmp_path / "back")
+    _no_output(tmp_path, tmp_path / "back")
 
 
 def test_load_weights_into_checks_config_and_shapes(tmp_path, single_hf):

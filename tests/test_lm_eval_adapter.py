@@ -149,3 +149,18 @@ def test_lm_eval_registration(model_dir):
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer"):
         TokenizerJSON(tmp_path / "nope.json")
+
+
+def test_tokenizer_larger_than_the_model_vocabulary_is_refused(model_dir, tmp_path):
+    """A tokenizer with ids past the model's vocab_size fails at load, naming both numbers and the folder."""
+    import shutil
+
+    path = tmp_path / "small-vocab"
+    save_pretrained(DecoderLM(ModelConfig.from_name("tiny-4l", vocab_size=256)), path)
+    shutil.copy(model_dir / "tokenizer.json", path / "tokenizer.json")
+    ids = TokenizerJSON(path / "tokenizer.json").vocab_size
+    assert ids > 256
+    with pytest.raises(ValueError) as err:
+        build_scorer(str(path), device="cpu", dtype="float32")
+    assert str(err.value) == (f"tokenizer {path / 'tokenizer.json'} has {ids} token ids but the model in {path} has "
+                              "vocab_size 256; pass the model's own tokenizer (tokenizer=PATH)")

@@ -55,6 +55,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except FileNotFoundError as err:
         raise ConversionError(f"{path} not found") from err
+    except OSError as err:  # unreadable, or a directory
+        raise ConversionError(f"{path}: cannot read ({err.strerror or err})") from err
     except ValueError as err:
         raise ConversionError(f"{path}: invalid JSON ({err})") from err
 
@@ -88,6 +90,33 @@ def _hf_name(name: str) -> str:
 def _check_shape(source: str, name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
     if got != want:
         raise ConversionError(f"{source}: shape mismatch for tensor {name!r}: checkpoint {list(got)}, model {list(want)}")
+
+
+def _check_separate(src: Path, dst: Path) -> None:
+    """The output must be neither the source directory nor contain it nor lie inside it: writing it (with
+    --overwrite) would otherwise replace or mix into the source."""
+    source, output = src.resolve(), dst.resolve()
+    relation = ("is" if output == source else "is inside" if source in output.parents
+                else "contains" if output in source.parents else None)
+    if relation:
+        raise ConversionError(f"output directory {output} {relation} the source directory {source}; "
+                              "choose a --to outside the source")
+
+
+def _check_tokenizer(src: Path, vocab_size: int) -> None:
+    """A tokenizer.json to be copied with the model must not produce ids past the model's embedding."""
+    file = src / "tokenizer.json"
+    if not file.is_file():
+        return
+    from tokenizers import Tokenizer
+
+    try:
+        count = Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
+    except Exception as err:  # the tokenizers library raises a bare Exception
+        raise ConversionError(f"{file}: not a readable tokenizer.json ({err})") from err
+    if count > vocab_size:
+        raise ConversionError(f"{file}: the tokenizer has {count} token ids but the model's vocab_size is "
+                              f"{vocab_size}; ids >= {vocab_size} have no embedding")
 
 
 def _copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
@@ -142,8 +171,10 @@ def convert_hf(src: str | os.PathLike, dst: str | os.PathLike, strategy: str = "
                overwrite: bool = False) -> Path:
     """Convert a Llama / Qwen3 Hugging Face directory into an mhar_lit directory with `strategy` grafted on."""
     src, dst = Path(src), Path(dst)
+    _check_separate(src, dst)
     hf = _read_json(src / "config.json")
     cfg = model_config_from_hf(hf, where=str(src / "config.json"))
+    _check_tokenizer(src, cfg.vocab_size)
     residual = strategies.build_strategy(strategy, cfg.num_layers, heads, num_blocks, legacy_block_delta,
                                          null_source)
     shapes = expected_shapes(_meta_model(cfg, residual))
@@ -282,6 +313,7 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, architecture: Opti
               overwrite: bool = False) -> Path:
     """Write a transformers-loadable Llama / Qwen3 directory from a StandardResidual converted directory."""
     src, dst = Path(src), Path(dst)
+    _check_separate(src, dst)
     meta = read_mhar_config(src)
     residual = meta.get("residual") or {}
     if not strategies.is_standard(residual):
@@ -290,6 +322,7 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, architecture: Opti
             "only StandardResidual directories can be exported with --export-hf"
         )
     cfg = ModelConfig.from_dict(meta["model_config"])
+    _check_tokenizer(src, cfg.vocab_size)
     arch = architecture or (meta.get("source") or {}).get("architecture")
     arch = arch or ("Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM")
     hf = hf_config_from_model(cfg, arch)

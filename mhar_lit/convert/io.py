@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mhar_lit.convert.hf_config import ConversionError
@@ -180,29 +180,61 @@ def _materialise(shard: list[Planned]) -> dict[str, torch.Tensor]:
     return {name: make().detach().to("cpu").contiguous().clone() for name, _, make in shard}
 
 
-@contextlib.contextmanager
-def staged_directory(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory beside `target` and rename it into place only if the block succeeds.
-
-    A failed conversion therefore never leaves a half-written target, and an existing non-empty target is
-    refused up front unless `overwrite` (it is then replaced only once the new directory is complete).
-    """
+def check_output(target: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Refuse, before anything is written, an output that is not a directory, is not empty (unless
+    `overwrite`), or whose nearest existing parent is not a writable directory. Returns the absolute path."""
     target = Path(target).absolute()
     if target.exists() and not target.is_dir():
         raise ConversionError(f"output {target} exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise ConversionError(f"output directory {target} is not empty; pass --overwrite to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConversionError(f"cannot create output directory {target}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConversionError(f"cannot create output directory {target}: {parent} is not writable")
+    return target
+
+
+@contextlib.contextmanager
+def staged_directory(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory beside `target` and rename it into place only if the block succeeds.
+
+    A failed conversion therefore never leaves a half-written target (nor the parents created for it), and
+    an existing non-empty target is refused up front unless `overwrite` (it is then replaced only once the
+    new directory is complete). An OS error while writing becomes a ConversionError naming `target`.
+    """
+    target = check_output(target, overwrite)
+    created = [p for p in target.parents if not p.exists()]  # deepest first, removed again on failure
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    except OSError as err:  # e.g. a read-only file system or an immutable directory
+        _remove_empty(created)
+        raise ConversionError(f"cannot create output directory {target}: {err.strerror or err}") from err
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it 0700; the result should look like a normal mkdir
     try:
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it 0700; the result should look like a normal mkdir
         yield staging
         _swap_into_place(staging, target)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(created)
+        if isinstance(err, (OSError, SafetensorError)):  # disk full, permissions, ...: name the output, not staging
+            detail = str(err).replace(str(staging), str(target))
+            raise ConversionError(f"cannot write output directory {target}: {detail}") from err
         raise
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    for path in dirs:
+        try:
+            path.rmdir()
+        except OSError:
+            break
 
 
 def _swap_into_place(staging: Path, target: Path) -> None:
@@ -215,6 +247,11 @@ def _swap_into_place(staging: Path, target: Path) -> None:
     if target.exists():
         old = target.parent / f".{target.name}.old-{os.getpid()}"
         os.rename(target, old)
-    os.rename(staging, target)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if old is not None:  # put the previous output back rather than leave it under a hidden name
+            os.rename(old, target)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

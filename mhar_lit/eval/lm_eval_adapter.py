@@ -41,6 +41,7 @@ class TokenizerJSON:
         if not self.path.is_file():
             raise FileNotFoundError(f"tokenizer file {self.path} not found (pass tokenizer=PATH/tokenizer.json)")
         self.tok = Tokenizer.from_file(str(self.path))
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._eos(eos)
 
     def _eos(self, eos: Optional[str | int]) -> Optional[int]:
@@ -217,6 +218,9 @@ def build_scorer(path: str, tokenizer: Optional[str] = None, device: Optional[st
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = load_pretrained(path, device=device, dtype=_dtype(dtype, device), backend=backend)
     tok = TokenizerJSON(tokenizer or Path(path) / "tokenizer.json", eos=eos)
+    if tok.vocab_size > model.config.vocab_size:  # its ids past the embedding would fail deep inside torch
+        raise ValueError(f"tokenizer {tok.path} has {tok.vocab_size} token ids but the model in {path} has "
+                         f"vocab_size {model.config.vocab_size}; pass the model's own tokenizer (tokenizer=PATH)")
     size = int(batch_size) if str(batch_size).isdigit() else 8  # lm_eval's "auto" is not supported: use 8
     return MHARScorer(model, tok, max_length=max_length, batch_size=size,
                       prefix_token_id=None if prefix_token_id is None else int(prefix_token_id),
