@@ -164,3 +164,10 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(model_dir, tmp_pa
         build_scorer(str(path), device="cpu", dtype="float32")
     assert str(err.value) == (f"tokenizer {path / 'tokenizer.json'} has {ids} token ids but the model in {path} has "
                               "vocab_size 256; pass the model's own tokenizer (tokenizer=PATH)")
+
+
+def test_unreadable_tokenizer_json_names_the_file(tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"version": "1.0"')
+    with pytest.raises(ValueError, match=r"cannot read tokenizer .*tokenizer\.json"):
+        TokenizerJSON(bad)

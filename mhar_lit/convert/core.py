@@ -108,12 +108,12 @@ def _check_tokenizer(src: Path, vocab_size: int) -> None:
     file = src / "tokenizer.json"
     if not file.is_file():
         return
-    from tokenizers import Tokenizer
+    from mhar_lit.data.tokenizer import read_tokenizer_json
 
     try:
-        count = Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
-    except Exception as err:  # the tokenizers library raises a bare Exception
-        raise ConversionError(f"{file}: not a readable tokenizer.json ({err})") from err
+        count = read_tokenizer_json(file).get_vocab_size(with_added_tokens=True)
+    except ValueError as err:
+        raise ConversionError(str(err)) from None
     if count > vocab_size:
         raise ConversionError(f"{file}: the tokenizer has {count} token ids but the model's vocab_size is "
                               f"{vocab_size}; ids >= {vocab_size} have no embedding")

@@ -58,18 +58,12 @@ class HFTokenizer:
         self._load()
 
     def _load(self) -> None:
-        from tokenizers import Tokenizer
-
         if not self.path.is_file():
             raise FileNotFoundError(
                 f"tokenizer file not found: {self.path} (expected 'bytes', 'bpe:<vocab>' "
                 "or the path of a Hugging Face tokenizer.json)"
             )
-        try:
-            self._tk = Tokenizer.from_file(str(self.path))
-        except Exception as err:  # the tokenizers library raises a bare Exception naming neither file nor format
-            raise ValueError(f"cannot read tokenizer {self.path}: {err} (expected a Hugging Face tokenizer.json)") \
-                from None
+        self._tk = read_tokenizer_json(self.path)
         self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._resolve_eos(self._eos_arg)
         digest = hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
@@ -109,6 +103,17 @@ class HFTokenizer:
 
 
 Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def read_tokenizer_json(path: str | Path):
+    """A `tokenizers.Tokenizer` from a Hugging Face tokenizer.json; an unreadable file is a ValueError naming it
+    (the tokenizers library raises a bare Exception naming neither the file nor the expected format)."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:
+        raise ValueError(f"cannot read tokenizer {path}: {err} (expected a Hugging Face tokenizer.json)") from None
 
 
 def _parse_bpe_vocab(spec: str) -> int:

@@ -35,12 +35,12 @@ class TokenizerJSON:
     """A Hugging Face `tokenizer.json` through the `tokenizers` library (no transformers)."""
 
     def __init__(self, path: str | Path, eos: Optional[str | int] = None) -> None:
-        from tokenizers import Tokenizer
+        from mhar_lit.data.tokenizer import read_tokenizer_json
 
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"tokenizer file {self.path} not found (pass tokenizer=PATH/tokenizer.json)")
-        self.tok = Tokenizer.from_file(str(self.path))
+        self.tok = read_tokenizer_json(self.path)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._eos(eos)
 
