@@ -31,6 +31,16 @@ DEFAULT_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.d
 DEFAULT_EXPERIMENT = "mhar_lit"
 
 
+def local_store_path(tracking_uri: str) -> str | None:
+    """The file or folder of a local MLflow store URI (sqlite:///PATH, file:PATH or a plain path), else None.
+    Commands that only read a store check it exists: MLflow creates an empty one (and its folders) on access."""
+    if tracking_uri.startswith("sqlite:///"):
+        return tracking_uri[len("sqlite:///"):].split("?")[0]
+    if tracking_uri.startswith("file:"):
+        return tracking_uri[len("file://"):] if tracking_uri.startswith("file://") else tracking_uri[len("file:"):]
+    return None if "://" in tracking_uri else tracking_uri
+
+
 def build_cli(args: Optional[list[str]] = None, run: bool = True):
     """The LightningCLI of mhar_lit (also used by tests with run=False)."""
     from lightning.pytorch.callbacks import ModelCheckpoint

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from typing import Any, Optional
 
-from mhar_lit.cli import DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI
+from mhar_lit.cli import DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI, local_store_path
 
 BASELINE_METHOD = "StandardResidual"
 
@@ -102,15 +102,6 @@ def collect_runs(sweep_id: str, tracking_uris: str | list[str], experiment: str)
         raise SystemExit(f"error: no runs tagged sweep_id={sweep_id!r} in experiment {experiment!r} at "
                          f"{', '.join(uris)}")
     return rows
-
-
-def local_store_path(tracking_uri: str) -> str | None:
-    """The file or folder of a local MLflow store URI (sqlite:///PATH, file:PATH or a plain path), else None."""
-    if tracking_uri.startswith("sqlite:///"):
-        return tracking_uri[len("sqlite:///"):]
-    if tracking_uri.startswith("file:"):
-        return tracking_uri[len("file://"):] if tracking_uri.startswith("file://") else tracking_uri[len("file:"):]
-    return None if "://" in tracking_uri else tracking_uri
 
 
 def require_existing_store(tracking_uri: str) -> None:

@@ -5,6 +5,7 @@ Shape legend: N sources, B sequences, T positions, D width, S slices, H heads, R
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from mhar_lit.analysis.metrics import (
     slice_logits,
     width_disagreement_kl,
 )
-from mhar_lit.analysis.probe import probe_main
+from mhar_lit.analysis.probe import probe_main, probe_model
 from mhar_lit.analysis.stats import RoutingStats
 from mhar_lit.config import ModelConfig
 from mhar_lit.lit.module import strategy_signature
@@ -462,3 +463,186 @@ def test_cli_dispatches_the_probe_tool(capsys):
         main(["probe", "--help"])
     assert exit_info.value.code == 0
     assert "--null-draws" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- bad input: a clear error, early, nothing written
+
+
+def _good_checkpoint(tmp_path, heads=1):
+    return _save_checkpoint(_model(FullAttnRes(heads=heads, random_query_init=True)), tmp_path / "good.ckpt")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--batch-size", "0", "argument --batch-size: must be >= 1, got 0"),
+    ("--tokens", "0", "argument --tokens: must be >= 1, got 0"),
+    ("--tokens", "-5", "argument --tokens: must be >= 1, got -5"),
+    ("--seq-len", "0", "argument --seq-len: must be >= 1, got 0"),
+    ("--slices", "0", "argument --slices: must be >= 1, got 0"),
+    ("--null-draws", "-1", "argument --null-draws: must be >= 1, got -1"),
+    ("--batch-size", "two", "argument --batch-size: expected a whole number, got 'two'"),
+    ("--seed", "-1", "argument --seed: must be in [0, 2**64), got -1"),
+    ("--seed", str(2**64), f"argument --seed: must be in [0, 2**64), got {2**64}"),
+    ("--val-fraction", "2", "argument --val-fraction: must be strictly between 0 and 1, got 2"),
+    ("--val-fraction", "0", "argument --val-fraction: must be strictly between 0 and 1, got 0"),
+    ("--val-fraction", "nan", "argument --val-fraction: must be strictly between 0 and 1, got nan"),
+])
+def test_number_flags_are_checked_when_parsed(tmp_path, capsys, flag, value, message):
+    # The checkpoint does not exist: an error about it would mean the flag got past argument parsing.
+    with pytest.raises(SystemExit) as exit_info:
+        probe_main(["--ckpt", str(tmp_path / "none.ckpt"), "--out", str(tmp_path / "out"), f"{flag}={value}"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"python -m mhar_lit probe: error: {message}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_probe_model_refuses_a_zero_batch_size():
+    model = _model(FullAttnRes(heads=1, random_query_init=True))
+    with pytest.raises(ValueError, match=r"^--batch-size must be >= 1, got 0$"):
+        probe_model(model, torch.zeros(2, 8, dtype=torch.long), batch_size=0)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seq-len", "4096"], "--seq-len 4096 exceeds the model's max_position_embeddings 512"),
+    (["--slices", "7"], "width 64 is not divisible by --slices 7"),
+])
+def test_flags_that_do_not_fit_the_model_fail_before_the_tokens_are_read(tmp_path, capsys, extra, message):
+    ckpt = _good_checkpoint(tmp_path)
+    args = ["--ckpt", str(ckpt), "--tokens-file", str(tmp_path / "missing.npy"), "--out", str(tmp_path / "out")]
+    assert probe_main(args + extra) == 2
+    assert capsys.readouterr().err == f"probe: error: {message}\n"
+
+
+@pytest.mark.parametrize("name, save, dtype", [
+    ("rand.npy", lambda p: np.save(p, np.random.default_rng(0).random(4000)), "float64"),
+    ("ids.pt", lambda p: torch.save(torch.arange(4000, dtype=torch.float32), p), "float32"),
+    ("mask.npy", lambda p: np.save(p, np.ones(4000, dtype=bool)), "bool"),
+])
+def test_a_tokens_file_of_non_integers_is_refused(tmp_path, capsys, name, save, dtype):
+    save(tmp_path / name)
+    args = ["--ckpt", str(_good_checkpoint(tmp_path)), "--tokens-file", str(tmp_path / name),
+            "--out", str(tmp_path / "out")]
+    assert probe_main(args) == 2
+    expected = f"probe: error: {tmp_path / name}: token ids must be integers, found dtype {dtype}\n"
+    assert capsys.readouterr().err == expected
+    assert not (tmp_path / "out").exists()
+
+
+def test_integer_tokens_files_of_any_width_still_load(tmp_path):
+    from mhar_lit.analysis.tokens import load_token_file
+
+    np.save(tmp_path / "u16.npy", np.arange(300, dtype=np.uint16))
+    np.save(tmp_path / "be.npy", np.arange(300, dtype=">i4"))  # big-endian: torch.from_numpy alone refuses it
+    torch.save(torch.arange(300, dtype=torch.int32), tmp_path / "i32.pt")
+    for name in ("u16.npy", "be.npy", "i32.pt"):
+        ids = load_token_file(str(tmp_path / name))
+        assert ids.dtype == torch.int64 and ids.tolist() == list(range(300))
+
+
+def _unwritable_dir(tmp_path):
+    """A directory no file can be created in: chmod for a normal user; root writes anyway, so /proc."""
+    if os.geteuid() == 0:
+        return "/proc"
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    return str(locked)
+
+
+def test_an_unusable_out_is_refused_before_the_model_is_loaded(tmp_path, capsys):
+    # The checkpoint does not exist: the --out check must come first, so nothing is computed for nothing.
+    (tmp_path / "notes.txt").write_text("keep me")
+    missing = str(tmp_path / "none.ckpt")
+    unwritable = os.path.join(_unwritable_dir(tmp_path), "out")
+    cases = [("", "--out must not be empty"),
+             (str(tmp_path / "notes.txt"), f"--out {tmp_path / 'notes.txt'} exists and is not a directory"),
+             (str(tmp_path / "notes.txt" / "out"),
+              f"--out {tmp_path / 'notes.txt' / 'out'} cannot be created: {tmp_path / 'notes.txt'} is not a directory"),
+             (unwritable, f"--out {unwritable} is not writable: cannot create files in {os.path.dirname(unwritable)}")]
+    for out, message in cases:
+        assert probe_main(["--ckpt", missing, "--out", out]) == 2
+        assert capsys.readouterr().err.startswith(f"probe: error: {message}")
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+    assert not os.path.exists(unwritable)
+
+
+def test_a_report_that_cannot_be_serialised_leaves_the_previous_one_intact(tmp_path, capsys, monkeypatch):
+    from mhar_lit.analysis import probe
+
+    real = probe.build_report
+    monkeypatch.setattr(probe, "build_report", lambda *a, **k: {**real(*a, **k), "broken": float("nan")})
+    np.save(tmp_path / "ids.npy", np.arange(256) % 256)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "report.json").write_text('{"old": 1}')
+    args = ["--ckpt", str(_good_checkpoint(tmp_path)), "--tokens-file", str(tmp_path / "ids.npy"),
+            "--tokens", "256", "--seq-len", "64", "--out", str(tmp_path / "out"), "--no-figures"]
+    assert probe_main(args) == 2
+    assert capsys.readouterr().err == "probe: error: Out of range float values are not JSON compliant: nan\n"
+    assert (tmp_path / "out" / "report.json").read_text() == '{"old": 1}'
+
+
+def test_a_missing_or_deleted_mlflow_run_fails_before_anything_is_written(tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    deleted_id = client.create_run(client.create_experiment("probe", artifact_location=str(tmp_path))).info.run_id
+    client.delete_run(deleted_id)
+    capsys.readouterr()  # MLflow's own log lines from creating the store
+    np.save(tmp_path / "ids.npy", np.arange(256) % 256)
+    base = ["--ckpt", str(_good_checkpoint(tmp_path)), "--tokens-file", str(tmp_path / "ids.npy"), "--seq-len", "64",
+            "--out", str(tmp_path / "out")]
+    assert probe_main(base + ["--tracking-uri", uri, "--run-id", "nosuchrun"]) == 2
+    assert capsys.readouterr().err == (f"probe: error: --run-id nosuchrun: cannot read this run at --tracking-uri "
+                                       f"{uri}: Run with id=nosuchrun not found\n")
+    assert probe_main(base + ["--tracking-uri", uri, "--run-id", deleted_id]) == 2
+    assert capsys.readouterr().err == f"probe: error: --run-id {deleted_id} at {uri} is deleted, not active\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sqlite_store_that_does_not_exist_is_a_typo_not_a_new_store(tmp_path, capsys):
+    typo = tmp_path / "mlfow.db"
+    args = ["--ckpt", str(tmp_path / "none.ckpt"), "--out", str(tmp_path / "out"),
+            "--tracking-uri", f"sqlite:///{typo}", "--run-id", "abc"]
+    assert probe_main(args) == 2
+    assert capsys.readouterr().err == (f"probe: error: --tracking-uri sqlite:///{typo}: no MLflow store at {typo} "
+                                       "(the probe logs into an existing run and does not create a store)\n")
+    assert not typo.exists()
+
+
+def test_an_unknown_device_is_refused_before_the_model_is_loaded(tmp_path, capsys):
+    assert probe_main(["--ckpt", str(tmp_path / "none.ckpt"), "--out", str(tmp_path / "out"), "--device", "nodev"]) == 2
+    assert capsys.readouterr().err.startswith("probe: error: --device nodev is not usable: ")
+
+
+UNREADABLE = "not a complete torch checkpoint (no readable zip archive: truncated, or another kind of file)"
+
+
+def test_a_corrupt_checkpoint_is_unreadable_not_untrusted(tmp_path, capsys):
+    good = _good_checkpoint(tmp_path).read_bytes()
+    (tmp_path / "trunc.ckpt").write_bytes(good[: len(good) // 2])  # head -c: the zip's central directory is gone
+    (tmp_path / "notes.ckpt").write_text("hi\n")
+    (tmp_path / "noise.ckpt").write_bytes(np.random.default_rng(0).bytes(1000))
+    for name in ("trunc.ckpt", "notes.ckpt", "noise.ckpt"):
+        for trust in ([], ["--trust-checkpoint"]):
+            path = tmp_path / name
+            assert probe_main(["--ckpt", str(path), "--out", str(tmp_path / "out"), *trust]) == 2
+            assert capsys.readouterr().err == f"probe: error: cannot read checkpoint {path}: {UNREADABLE}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_only_a_valid_checkpoint_with_pickled_objects_is_sent_to_trust_checkpoint(tmp_path, capsys):
+    import argparse
+
+    model = _model(FullAttnRes(heads=1, random_query_init=True))
+    ckpt = _save_checkpoint(model, tmp_path / "pickled.ckpt")
+    checkpoint = torch.load(ckpt, weights_only=True)
+    checkpoint["hyper_parameters"] = argparse.Namespace(lr=1e-3)  # a pickled object weights_only refuses
+    torch.save(checkpoint, ckpt)
+    np.save(tmp_path / "ids.npy", np.arange(256) % 256)
+    args = ["--ckpt", str(ckpt), "--tokens-file", str(tmp_path / "ids.npy"), "--seq-len", "64",
+            "--out", str(tmp_path / "out"), "--no-figures"]
+    assert probe_main(args) == 2
+    assert capsys.readouterr().err == (f"probe: error: {ckpt} contains pickled Python objects and was not loaded "
+                                       "(weights_only); pass trust_pickle=True (--trust-checkpoint) only if you "
+                                       "created this file\n")
+    assert probe_main(args + ["--trust-checkpoint"]) == 0
+    assert (tmp_path / "out" / "report.json").exists()

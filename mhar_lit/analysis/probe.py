@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from typing import Any, Optional
 
 import torch
@@ -52,6 +53,8 @@ def collect_stats(model: nn.Module, input_ids_QT: Tensor, slices: int = 4, null_
     are drawn once per site from `seed` before any forward pass, so the report depends only on the seed.
     """
     residual = routed_residual(model)
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     if null_draws < 1:
         raise ValueError(f"--null-draws must be >= 1, got {null_draws}")
     if slices < 1:
@@ -155,14 +158,87 @@ def log_to_mlflow(tracking_uri: str, run_id: str, paths: list[str], metrics: dic
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)
-    client.get_run(run_id)  # fails early and clearly on a wrong run id, before anything is logged
-    for path in paths:
+    for path in paths:  # the run's existence was checked before the probe ran (check_mlflow_run)
         client.log_artifact(run_id, path, artifact_path=ARTIFACT_DIR)
     for key, value in metrics.items():
         client.log_metric(run_id, key, value)
 
 
+# ---------------------------------------------------------------------- checks before any work
+def check_out_dir(out: str) -> None:
+    """Refuse an --out the report could not be written to, before any work (an existing directory is reused:
+    its report.json and figures are overwritten). Nothing is created here, so a failed run leaves no trace."""
+    if not out:
+        raise ValueError("--out must not be empty")
+    if os.path.lexists(out) and not os.path.isdir(out):  # lexists: a dangling link too
+        raise ValueError(f"--out {out} exists and is not a directory")
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):  # the directory that os.makedirs would create it in
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--out {out} cannot be created: {existing} is not a directory")
+    try:  # a real write, not os.access: also right for read-only mounts and for root
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ValueError(f"--out {out} is not writable: cannot create files in {existing} ({err.strerror})") from err
+
+
+def check_mlflow_run(tracking_uri: str, run_id: str) -> None:
+    """Refuse a store or run the outputs could not be logged to, before any work. A probe logs into an existing
+    run, so a sqlite file that does not exist is a typo, not a new store to create."""
+    from mlflow.tracking import MlflowClient
+
+    from mhar_lit.cli import local_store_path
+
+    path = local_store_path(tracking_uri)
+    if path is not None and not os.path.exists(path):
+        raise ValueError(f"--tracking-uri {tracking_uri}: no MLflow store at {path} (the probe logs into an existing "
+                         "run and does not create a store)")
+
+    try:
+        run = MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
+    except Exception as err:  # MlflowException (no such run, bad scheme), SQLAlchemy's error for a non-database file
+        reason = str(getattr(err, "message", err)).splitlines()[0]  # SQLAlchemy appends the SQL text
+        raise ValueError(f"--run-id {run_id}: cannot read this run at --tracking-uri {tracking_uri}: {reason}") from err
+    if run.info.lifecycle_stage != "active":  # MLflow refuses to log into a deleted run
+        raise ValueError(f"--run-id {run_id} at {tracking_uri} is {run.info.lifecycle_stage}, not active")
+
+
 # ---------------------------------------------------------------------- command line
+def _positive_int(text: str) -> int:
+    """argparse type: a count or size >= 1 (0 or less would fail deep in the run, or mean nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """argparse type: a torch generator seed; negatives are refused since torch wraps them onto large seeds."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {value}")
+    return value
+
+
+def _open_fraction(text: str) -> float:
+    """argparse type for --val-fraction: 0 holds out no document, 1 every one (training text included)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value < 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be strictly between 0 and 1, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mhar_lit probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt", required=True, help="an mhar_lit Lightning checkpoint (.ckpt)")
@@ -172,15 +248,17 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--tokens-file", help="token ids, .npy or .pt, 1-D stream or 2-D [sequences, length]")
     parser.add_argument("--tokenizer", help="tokenizer for --data / the embedded corpus: 'bytes' or a tokenizer.json "
                                             "(default: the checkpoint's datamodule setting, else 'bytes')")
-    parser.add_argument("--val-fraction", type=float, help="held-out fraction of documents (content hash, as in "
-                                                           "training; default: the checkpoint's, else 0.005)")
+    parser.add_argument("--val-fraction", type=_open_fraction,
+                        help="held-out fraction of documents, 0 < v < 1 (content hash, as in training; default: the "
+                             "checkpoint's, else 0.005)")
     parser.add_argument("--text-field", default="text", help="the text column of .jsonl/.parquet inputs")
-    parser.add_argument("--tokens", type=int, default=100_000, help="number of held-out tokens (default 100000)")
-    parser.add_argument("--seq-len", type=int, help="sequence length (default min(1024, max positions))")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--slices", type=int, default=4, help="query slices S for the width-disagreement")
-    parser.add_argument("--null-draws", type=int, default=5, help="matched-norm random queries to average")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random null")
+    parser.add_argument("--tokens", type=_positive_int, default=100_000,
+                        help="number of held-out tokens (default 100000)")
+    parser.add_argument("--seq-len", type=_positive_int, help="sequence length (default min(1024, max positions))")
+    parser.add_argument("--batch-size", type=_positive_int, default=8)
+    parser.add_argument("--slices", type=_positive_int, default=4, help="query slices S for the width-disagreement")
+    parser.add_argument("--null-draws", type=_positive_int, default=5, help="matched-norm random queries to average")
+    parser.add_argument("--seed", type=_seed, default=0, help="seed of the random null")
     parser.add_argument("--out", default="probe_out", help="output directory (report.json and PNGs)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     parser.add_argument("--no-figures", action="store_true", help="write report.json only")
@@ -204,7 +282,7 @@ def _checkpoint_data_settings(path: str) -> dict[str, Any]:
 def _input_ids(args: argparse.Namespace, model: nn.Module) -> tuple[Tensor, dict[str, Any]]:
     from mhar_lit.analysis.tokens import DEFAULT_VAL_FRACTION, heldout_tokens, load_token_file, to_sequences
 
-    seq_len = args.seq_len or min(1024, model.config.max_position_embeddings)
+    seq_len = args.seq_len if args.seq_len is not None else min(1024, model.config.max_position_embeddings)
     if args.tokens_file:
         ids, origin = load_token_file(args.tokens_file), {"kind": "tokens_file", "path": args.tokens_file}
     else:
@@ -231,23 +309,48 @@ def _input_ids(args: argparse.Namespace, model: nn.Module) -> tuple[Tensor, dict
     return ids_QT, origin
 
 
+def _check_device(device: str) -> None:
+    """A clear error for an unknown or absent device before the model is loaded."""
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as err:  # torch asserts when built without CUDA
+        raise ValueError(f"--device {device} is not usable: {err}") from err
+
+
+def _check_fits_model(args: argparse.Namespace, model: nn.Module) -> None:
+    """The flags that depend on the model, checked before any data is read."""
+    max_positions = model.config.max_position_embeddings
+    if args.seq_len is not None and args.seq_len > max_positions:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings {max_positions}")
+    residual = routed_residual(model)  # also the error for a strategy without routing
+    width = residual.query.shape[-1]
+    if residual.heads == 1 and width % args.slices != 0:
+        raise ValueError(f"width {width} is not divisible by --slices {args.slices}")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from mhar_lit.lit.module import model_from_checkpoint, strategy_signature
 
     if bool(args.tracking_uri) != bool(args.run_id):
         raise ValueError("--tracking-uri and --run-id go together")
-    model = model_from_checkpoint(args.ckpt, trust_pickle=args.trust_checkpoint)
-    routed_residual(model)  # a clear error before any data is read
+    # Everything that can be checked without the model is, so a mistake never costs a full probe run.
+    check_out_dir(args.out)
+    if args.tracking_uri:
+        check_mlflow_run(args.tracking_uri, args.run_id)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _check_device(device)
+    model = model_from_checkpoint(args.ckpt, trust_pickle=args.trust_checkpoint)
+    _check_fits_model(args, model)
     model.to(device)
     ids_QT, origin = _input_ids(args, model)
     report, stats = probe_model(model, ids_QT, args.slices, args.null_draws, args.seed, args.batch_size)
     report = {"checkpoint": os.path.abspath(args.ckpt), "token_source": origin,
               "model": {"config": model.config.to_dict(), "residual": strategy_signature(model.residual)}, **report}
+    text = json.dumps(report, indent=1, allow_nan=False)  # serialised first: a NaN can't leave a half-written file
     os.makedirs(args.out, exist_ok=True)
     report_path = os.path.join(args.out, REPORT_FILE)
     with open(report_path, "w") as fh:
-        json.dump(report, fh, indent=1, allow_nan=False)
+        fh.write(text)
     files = [report_path] + ([] if args.no_figures else write_figures(stats, args.out))
     if args.tracking_uri:
         log_to_mlflow(args.tracking_uri, args.run_id, files, summary_metrics(report))

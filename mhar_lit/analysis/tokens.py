@@ -17,15 +17,25 @@ from torch import Tensor
 DEFAULT_VAL_FRACTION = 0.005  # the data layer's default validation fraction (mhar_lit.data.prepare)
 
 
+def _non_integer_ids(path: str, dtype: Any) -> ValueError:
+    # Casting floats (or bools) to int64 would silently turn e.g. probabilities into all-zero ids.
+    return ValueError(f"{path}: token ids must be integers, found dtype {str(dtype).removeprefix('torch.')}")
+
+
 def load_token_file(path: str) -> Tensor:
     """Token ids from a .npy or .pt file (1-D stream or 2-D [sequences, length]) as int64."""
     suffix = Path(path).suffix.lower()
     if suffix == ".npy":
-        ids = torch.from_numpy(np.load(path, allow_pickle=False).astype(np.int64))
+        array = np.load(path, allow_pickle=False)
+        if not np.issubdtype(array.dtype, np.integer):
+            raise _non_integer_ids(path, array.dtype)
+        ids = torch.from_numpy(array.astype(np.int64))
     elif suffix in (".pt", ".pth"):
         ids = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(ids, Tensor):
             raise ValueError(f"{path} must hold a single tensor of token ids, found {type(ids).__name__}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise _non_integer_ids(path, ids.dtype)
         ids = ids.long()
     else:
         raise ValueError(f"--tokens-file must be .npy or .pt, got {path}")

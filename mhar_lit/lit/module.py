@@ -328,11 +328,13 @@ def check_checkpoint_file(path: str) -> None:
     weights_only=False for a text file)."""
     import zipfile
 
+    if os.path.isdir(path):
+        raise ValueError(f"cannot read checkpoint {path}: it is a directory, not a .ckpt file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if not zipfile.is_zipfile(path):
-        raise ValueError(f"{path} is not a readable checkpoint: not a torch.save zip archive (truncated, or "
-                         "another kind of file)")
+        raise ValueError(f"cannot read checkpoint {path}: not a complete torch checkpoint (no readable zip archive: "
+                         "truncated, or another kind of file)")
 
 
 def model_from_checkpoint(path: str, trust_pickle: bool = False) -> DecoderLM:
@@ -349,13 +351,17 @@ def model_from_checkpoint(path: str, trust_pickle: bool = False) -> DecoderLM:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as err:
-        raise ValueError(
-            f"{path} contains pickled Python objects and was not loaded (weights_only); "
-            "pass trust_pickle=True (--trust-checkpoint) only if you created this file"
-        ) from err
-    saved = checkpoint.get("mhar_lit")
-    if saved is None:
-        raise ValueError(f"{path} was not written by mhar_lit (no 'mhar_lit' section)")
+        if not trust_pickle:  # a complete archive (checked above) whose pickle holds objects weights_only refuses
+            raise ValueError(
+                f"{path} contains pickled Python objects and was not loaded (weights_only); "
+                "pass trust_pickle=True (--trust-checkpoint) only if you created this file"
+            ) from err
+        raise ValueError(f"cannot read checkpoint {path}: {type(err).__name__}: {err}") from err
+    except Exception as err:  # a zip that is not a torch file, a damaged member: torch's errors name neither
+        raise ValueError(f"cannot read checkpoint {path}: {type(err).__name__}: {err}") from err
+    saved = checkpoint.get("mhar_lit") if isinstance(checkpoint, dict) else None
+    if not isinstance(saved, dict) or not {"residual", "model_config"} <= set(saved) or "state_dict" not in checkpoint:
+        raise ValueError(f"{path} was not written by mhar_lit (no 'mhar_lit' section with the model and strategy)")
     module_name, _, class_name = saved["residual"]["class_path"].rpartition(".")
     strategy = getattr(importlib.import_module(module_name), class_name)(**saved["residual"]["options"])
     model = DecoderLM(ModelConfig.from_dict(saved["model_config"]), strategy)
