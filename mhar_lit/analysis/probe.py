@@ -206,37 +206,25 @@ def check_mlflow_run(tracking_uri: str, run_id: str) -> None:
 
 
 # ---------------------------------------------------------------------- command line
-def _positive_int(text: str) -> int:
-    """argparse type: a count or size >= 1 (0 or less would fail deep in the run, or mean nothing)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _checked(convert, ok, expected: str, kind: str):
+    """An argparse type: `convert` the text, then refuse values outside `ok` (they failed deep in the run,
+    or meant nothing), naming what is expected."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text}")
+        return value
+    return parse
 
 
-def _seed(text: str) -> int:
-    """argparse type: a torch generator seed; negatives are refused since torch wraps them onto large seeds."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if not 0 <= value < 2**64:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {value}")
-    return value
-
-
-def _open_fraction(text: str) -> float:
-    """argparse type for --val-fraction: 0 holds out no document, 1 every one (training text included)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 < value < 1.0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be strictly between 0 and 1, got {text}")
-    return value
+_positive_int = _checked(int, lambda v: v >= 1, ">= 1", "a whole number")
+# torch wraps a negative seed onto a large one and fails on seeds of 2**64 and more
+_seed = _checked(int, lambda v: 0 <= v < 2**64, "in [0, 2**64)", "a whole number")
+# 0 holds out no document, 1 every one (training text included); the comparison also refuses nan
+_open_fraction = _checked(float, lambda v: 0.0 < v < 1.0, "strictly between 0 and 1", "a number")
 
 
 def build_parser() -> argparse.ArgumentParser:
