@@ -126,7 +126,8 @@ def check_run_inputs(subcommand: Optional[str], config) -> None:
 
     ckpt = config.get("ckpt_path")
     special = ckpt in ("last", "best", "hpc") or str(ckpt).startswith("registry")  # Lightning resolves these
-    if ckpt and "://" not in str(ckpt) and not special:
+    # a directory is a sharded FSDP checkpoint (configs/midtrain-llama-8b.yaml): Lightning's strategy reads it
+    if ckpt and "://" not in str(ckpt) and not special and not os.path.isdir(ckpt):
         check_checkpoint_file(str(ckpt))
     init_from = (config.get("model") or {}).get("init_from")
     if subcommand in ("validate", "test", "predict") and not ckpt and not init_from:

@@ -191,6 +191,11 @@ def test_run_inputs_are_checked_before_anything_runs(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="trainer.default_root_dir .*a-file/runs' is not writable"):
         build_cli(["fit", *_tiny_args(tmp_path, "--trainer.max_steps", "2",
                                       "--trainer.default_root_dir", str(blocker / "runs"))])
+    from mhar_lit.cli import check_run_inputs
+
+    sharded = tmp_path / "sharded.ckpt"  # FSDP's sharded checkpoints are directories: Lightning reads them
+    sharded.mkdir()
+    check_run_inputs("fit", {"ckpt_path": str(sharded), "trainer": {"default_root_dir": str(tmp_path / "runs")}})
     tested = build_cli(["test", *_tiny_args(tmp_path), "--ckpt_path", str(good)])  # the good one still runs
     assert tested.trainer.callback_metrics["test/loss"] > 0
 

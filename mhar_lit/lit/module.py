@@ -329,7 +329,8 @@ def check_checkpoint_file(path: str) -> None:
     import zipfile
 
     if os.path.isdir(path):
-        raise ValueError(f"cannot read checkpoint {path}: it is a directory, not a .ckpt file")
+        raise ValueError(f"cannot read checkpoint {path}: it is a directory (a sharded FSDP checkpoint?), not a "
+                         "single .ckpt file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if not zipfile.is_zipfile(path):
