@@ -34,11 +34,15 @@ DEFAULT_EXPERIMENT = "mhar_lit"
 def local_store_path(tracking_uri: str) -> str | None:
     """The file or folder of a local MLflow store URI (sqlite:///PATH, file:PATH or a plain path), else None.
     Commands that only read a store check it exists: MLflow creates an empty one (and its folders) on access."""
-    if tracking_uri.startswith("sqlite:///"):
-        return tracking_uri[len("sqlite:///"):].split("?")[0]
-    if tracking_uri.startswith("file:"):
-        return tracking_uri[len("file://"):] if tracking_uri.startswith("file://") else tracking_uri[len("file:"):]
-    return None if "://" in tracking_uri else tracking_uri
+    from urllib.parse import unquote, urlparse
+
+    if tracking_uri.startswith("sqlite:///"):  # sqlite:///rel.db, sqlite:////abs.db (percent-encoded, ?query)
+        return unquote(tracking_uri[len("sqlite:///"):].split("?")[0])
+    if tracking_uri.startswith("file:"):  # file:rel, file:///abs, file://localhost/abs
+        return unquote(urlparse(tracking_uri).path)
+    if "://" in tracking_uri or tracking_uri.startswith("databricks"):  # servers, databricks[-uc][://profile]
+        return None
+    return tracking_uri
 
 
 def build_cli(args: Optional[list[str]] = None, run: bool = True):

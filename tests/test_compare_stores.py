@@ -48,3 +48,20 @@ def test_compare_does_not_create_a_store_at_a_mistyped_uri(tmp_path):
     with pytest.raises(SystemExit, match="no MLflow store at"):
         compare_main(["--sweep", "x", "--tracking-uri", str(tmp_path / "no-mlruns")])
     assert not (tmp_path / "typo").exists() and not (tmp_path / "no-mlruns").exists()
+
+
+@pytest.mark.parametrize("uri,path", [
+    ("sqlite:///mlflow.db", "mlflow.db"),
+    ("sqlite:////tmp/a%20b.db?timeout=5", "/tmp/a b.db"),  # MLflow's SQLAlchemy decodes the path
+    ("file:///tmp/a%20b/mlruns", "/tmp/a b/mlruns"),
+    ("file://localhost/tmp/mlruns", "/tmp/mlruns"),
+    ("./mlruns", "./mlruns"),
+    ("http://host:5000", None),
+    ("databricks", None),
+    ("databricks-uc", None),
+    ("postgresql://user@host/db", None),
+])
+def test_local_store_path_of_each_uri_form(uri, path):
+    from mhar_lit.cli import local_store_path
+
+    assert local_store_path(uri) == path

@@ -95,7 +95,7 @@ def test_z_loss_and_loss_values():
     ("tail_k", -1, "model.tail_k must be >= 1"),
     ("weight_decay", -1.0, "model.weight_decay must be >= 0"),
     ("warmup_steps", -3, "model.warmup_steps must be >= 0"),
-    ("decay_steps", 0, "model.decay_steps must be >= 1"),
+    ("decay_steps", -1, "model.decay_steps must be >= 0"),
     ("grad_clip", -1.0, "model.grad_clip must be >= 0"),
     ("z_loss", -1e-4, "model.z_loss must be >= 0"),
     ("eps", 0.0, "model.eps must be > 0"),

@@ -1,6 +1,7 @@
 """Decoder + residual strategies: parity with transformers, identity at init, causality, parameter counts."""
 
 import copy
+import secrets
 
 import pytest
 import torch
@@ -400,11 +401,21 @@ def test_two_phase_block_routing_equals_direct(dtype, tol, heads, layers_per_blo
 @pytest.mark.parametrize("heads,layers_per_block", [(1, 1), (2, 2)])
 def test_two_phase_as_accurate_as_direct_with_sharp_routing(heads, layers_per_block):
     """Queries of std 1 (sharp softmaxes): against a float64 model, the fp32 two-phase computation's error (logits
-    and every gradient) is of the direct one's size: RMS over 6 draws within 3x, each draw within 10x. Measured
-    over 60 draws: per-draw ratio median 1.02, max 5.0 (H 1) / 2.2 (H 2); RMS ratio of 6 draws <= 1.64."""
-    seed = torch.seed() % 2**31  # fresh draws each run; printed on failure
+    and every gradient) is of the direct one's size: RMS over 12 draws within 3x, each draw within 10x. Measured
+    (H 1, 360 draws): per-draw ratio median 1.02, p99 4.3, max 6.6; RMS ratio of 12 draws max 1.64 over 30
+    groups (of 6 draws it reached 3.5 once in 150 runs, so 12)."""
+    seed = secrets.randbelow(2**31)  # fresh draws each run (torch.seed() would reseed the global RNG); printed on failure
+    with torch.random.fork_rng():  # the draws' manual_seed calls leave the global RNG as it was
+        errors = _two_phase_and_direct_errors(seed, heads, layers_per_block, draws=12)
+    err = torch.tensor(errors)
+    rms = err.pow(2).mean(0).sqrt()
+    assert rms[1] <= 3 * rms[0], (seed, errors)
+    assert (err[:, 1] <= 10 * err[:, 0]).all(), (seed, errors)
+
+
+def _two_phase_and_direct_errors(seed, heads, layers_per_block, draws):
     errors = []
-    for draw in range(6):
+    for draw in range(draws):
         cfg = tiny()
         torch.manual_seed(seed + draw)
         exact = _randomised(DecoderLM(cfg, BlockAttnRes(heads=heads, layers_per_block=layers_per_block)),
@@ -416,10 +427,7 @@ def test_two_phase_as_accurate_as_direct_with_sharp_routing(heads, layers_per_bl
         two.residual.two_phase = True
         errors.append([max(_max_rel(r, a.double()) for r, a in zip(ref, _logits_and_grads(m, x)))
                        for m in (direct, two)])
-    err = torch.tensor(errors)
-    rms = err.pow(2).mean(0).sqrt()
-    assert rms[1] <= 3 * rms[0], (seed, errors)
-    assert (err[:, 1] <= 10 * err[:, 0]).all(), (seed, errors)
+    return errors
 
 
 def test_two_phase_bf16_within_the_direct_routings_rounding():

@@ -480,11 +480,11 @@ def _good_checkpoint(tmp_path, heads=1):
     ("--slices", "0", "argument --slices: must be >= 1, got 0"),
     ("--null-draws", "-1", "argument --null-draws: must be >= 1, got -1"),
     ("--batch-size", "two", "argument --batch-size: expected a whole number, got 'two'"),
-    ("--seed", "-1", "argument --seed: must be in [0, 2**64), got -1"),
-    ("--seed", str(2**64), f"argument --seed: must be in [0, 2**64), got {2**64}"),
-    ("--val-fraction", "2", "argument --val-fraction: must be strictly between 0 and 1, got 2"),
-    ("--val-fraction", "0", "argument --val-fraction: must be strictly between 0 and 1, got 0"),
-    ("--val-fraction", "nan", "argument --val-fraction: must be strictly between 0 and 1, got nan"),
+    ("--seed", str(-2**63 - 1), f"argument --seed: must be in [-2**63, 2**64), got {-2**63 - 1}"),
+    ("--seed", str(2**64), f"argument --seed: must be in [-2**63, 2**64), got {2**64}"),
+    ("--val-fraction", "2", "argument --val-fraction: must be in (0, 1], got 2"),
+    ("--val-fraction", "0", "argument --val-fraction: must be in (0, 1], got 0"),
+    ("--val-fraction", "nan", "argument --val-fraction: must be in (0, 1], got nan"),
 ])
 def test_number_flags_are_checked_when_parsed(tmp_path, capsys, flag, value, message):
     # The checkpoint does not exist: an error about it would mean the flag got past argument parsing.

@@ -221,10 +221,10 @@ def _checked(convert, ok, expected: str, kind: str):
 
 
 _positive_int = _checked(int, lambda v: v >= 1, ">= 1", "a whole number")
-# torch wraps a negative seed onto a large one and fails on seeds of 2**64 and more
-_seed = _checked(int, lambda v: 0 <= v < 2**64, "in [0, 2**64)", "a whole number")
-# 0 holds out no document, 1 every one (training text included); the comparison also refuses nan
-_open_fraction = _checked(float, lambda v: 0.0 < v < 1.0, "strictly between 0 and 1", "a number")
+# torch.Generator.manual_seed takes [-2**63, 2**64) and fails deep in the run outside it
+_seed = _checked(int, lambda v: -2**63 <= v < 2**64, "in [-2**63, 2**64)", "a whole number")
+# 0 holds out no document; 1 every one (a separate evaluation corpus probed whole); also refuses nan
+_open_fraction = _checked(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]", "a number")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -188,10 +188,11 @@ class TokenDataModule(L.LightningDataModule):
 
     def _stream_settings(self) -> dict[str, Any]:
         """What the training stream's saved position depends on (litdata refuses a state of another stream
-        without naming the setting that changed)."""
+        without naming the setting that changed). num_workers is not among them: litdata resumes across a
+        change of workers itself."""
         split = self.train_dataset.input_dir
         return {"seq_len": self.seq_len, "shuffle": self.shuffle, "seed": self.shuffle_seed(),
-                "num_workers": self.num_workers, "prepared training split": str(split.url or split.path)}
+                "prepared training split": str(split.url or split.path)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"stream_settings": self._stream_settings()} if self.train_dataset is not None else {}

@@ -62,7 +62,7 @@ def _check_training_settings(**settings: Any) -> None:
         "eps": (lambda v: v > 0, "> 0"),
         "weight_decay": (lambda v: v >= 0, ">= 0"),
         "warmup_steps": (lambda v: v >= 0, ">= 0"),
-        "decay_steps": (lambda v: v is None or v >= 1, ">= 1 (or null: trainer.max_steps)"),
+        "decay_steps": (lambda v: v is None or v >= 0, ">= 0 (0 or null: trainer.max_steps)"),
         "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
         "grad_clip": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
         "z_loss": (lambda v: v >= 0, ">= 0"),
@@ -83,7 +83,7 @@ class LanguageModel(L.LightningModule):
         model_overrides: ModelConfig fields that override the named size (e.g. {vocab_size: 512}).
         lr, betas, eps, weight_decay: AdamW settings. `decay_all_parameters` (paper) decays everything;
             False excludes norms, embeddings, biases and the strategy's gates / null sources / key norms.
-        warmup_steps, decay_steps, min_lr_ratio: schedule; decay_steps defaults to trainer.max_steps.
+        warmup_steps, decay_steps, min_lr_ratio: schedule; decay_steps 0 or None means trainer.max_steps.
         grad_clip: global-norm clipping (0 disables); the pre-clip norm is logged as train/grad_norm.
         z_loss: weight of mean(logsumexp(logits)^2) (0 disables).
         activation_checkpointing: recompute sublayers in backward. compile: torch.compile the decoder.

@@ -156,6 +156,16 @@ def test_resume_with_other_stream_settings_names_them(corpus, tmp_path, change, 
     assert trainer.validate(Validator(), datamodule=make_dm(path, tmp_path, **change), ckpt_path=last) == [{}]
 
 
+def test_resume_with_other_num_workers_continues_the_stream(corpus, tmp_path):
+    """litdata resumes across a change of workers itself (elastic resume), so the stream check leaves it alone."""
+    path, _ = corpus
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    full = fit(make_dm(path, tmp_path), tmp_path, max_steps=6, callbacks=[ckpt])
+    resumed = fit(make_dm(path, tmp_path, num_workers=1), tmp_path, max_steps=6,
+                  ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt"))
+    assert len(resumed) == 3 and all(torch.equal(a, b) for a, b in zip(resumed, full[3:]))
+
+
 class Validator(Recorder):
     def validation_step(self, batch, batch_idx):
         self.seen.append(batch.clone())
