@@ -579,6 +579,34 @@ def test_a_report_that_cannot_be_serialised_leaves_the_previous_one_intact(tmp_p
     assert (tmp_path / "out" / "report.json").read_text() == '{"old": 1}'
 
 
+def test_a_report_write_that_fails_midway_leaves_the_previous_one_intact(tmp_path, capsys, monkeypatch):
+    import builtins
+
+    class FullDisk:  # writes half of the text, then fails as a full disk does
+        def __init__(self, fh):
+            self.fh = fh
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            self.fh.close()
+        def write(self, text):
+            self.fh.write(text[: len(text) // 2])
+            raise OSError(28, "No space left on device")
+
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, mode="r", *a, **k: FullDisk(real_open(f, mode, *a, **k))
+                        if str(f).endswith("report.json.partial") else real_open(f, mode, *a, **k))
+    np.save(tmp_path / "ids.npy", np.arange(256) % 256)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "report.json").write_text('{"old": 1}')
+    args = ["--ckpt", str(_good_checkpoint(tmp_path)), "--tokens-file", str(tmp_path / "ids.npy"),
+            "--tokens", "256", "--seq-len", "64", "--out", str(tmp_path / "out"), "--no-figures"]
+    assert probe_main(args) == 2
+    assert capsys.readouterr().err.endswith("report.json: No space left on device\n")
+    assert (tmp_path / "out" / "report.json").read_text() == '{"old": 1}'
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.json"]
+
+
 def test_a_missing_or_deleted_mlflow_run_fails_before_anything_is_written(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 

@@ -14,6 +14,7 @@ optionally logged as artifacts (and summary metrics) to an existing MLflow run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -337,8 +338,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     text = json.dumps(report, indent=1, allow_nan=False)  # serialised first: a NaN can't leave a half-written file
     os.makedirs(args.out, exist_ok=True)
     report_path = os.path.join(args.out, REPORT_FILE)
-    with open(report_path, "w") as fh:
-        fh.write(text)
+    partial = report_path + ".partial"  # a full disk or a kill mid-write leaves the previous report whole
+    try:
+        with open(partial, "w") as fh:
+            fh.write(text)
+        os.replace(partial, report_path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise ValueError(f"cannot write {report_path}: {err.strerror or err}") from err
     files = [report_path] + ([] if args.no_figures else write_figures(stats, args.out))
     if args.tracking_uri:
         log_to_mlflow(args.tracking_uri, args.run_id, files, summary_metrics(report))
