@@ -151,9 +151,17 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
         TokenizerJSON(tmp_path / "nope.json")
 
 
-def test_tokenizer_larger_than_the_model_vocabulary_is_refused(model_dir, tmp_path):
-    """A tokenizer with ids past the model's vocab_size fails at load, naming both numbers and the folder."""
+def test_tokenizer_larger_than_the_model_vocabulary_is_refused(model_dir, tmp_path, monkeypatch):
+    """A tokenizer with ids past the model's vocab_size fails before the weights load (minutes at 8B), naming
+    both numbers and the folder."""
     import shutil
+
+    import mhar_lit.convert
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the tokenizer was checked")
+
+    monkeypatch.setattr(mhar_lit.convert, "load_pretrained", no_load)
 
     path = tmp_path / "small-vocab"
     save_pretrained(DecoderLM(ModelConfig.from_name("tiny-4l", vocab_size=256)), path)

@@ -214,13 +214,15 @@ def build_scorer(path: str, tokenizer: Optional[str] = None, device: Optional[st
                  backend: Optional[str] = None) -> MHARScorer:
     """load_pretrained(path) + tokenizer (default: path/tokenizer.json) -> MHARScorer."""
     from mhar_lit.convert import load_pretrained
+    from mhar_lit.convert.core import read_mhar_config
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = load_pretrained(path, device=device, dtype=_dtype(dtype, device), backend=backend)
     tok = TokenizerJSON(tokenizer or Path(path) / "tokenizer.json", eos=eos)
-    if tok.vocab_size > model.config.vocab_size:  # its ids past the embedding would fail deep inside torch
+    vocab = (read_mhar_config(Path(path)).get("model_config") or {}).get("vocab_size")
+    if vocab is not None and tok.vocab_size > vocab:  # checked before an 8B load; its ids would fail inside torch
         raise ValueError(f"tokenizer {tok.path} has {tok.vocab_size} token ids but the model in {path} has "
-                         f"vocab_size {model.config.vocab_size}; pass the model's own tokenizer (tokenizer=PATH)")
+                         f"vocab_size {vocab}; pass the model's own tokenizer (tokenizer=PATH)")
+    model = load_pretrained(path, device=device, dtype=_dtype(dtype, device), backend=backend)
     size = int(batch_size) if str(batch_size).isdigit() else 8  # lm_eval's "auto" is not supported: use 8
     return MHARScorer(model, tok, max_length=max_length, batch_size=size,
                       prefix_token_id=None if prefix_token_id is None else int(prefix_token_id),
