@@ -564,17 +564,21 @@ def test_an_unusable_out_is_refused_before_the_model_is_loaded(tmp_path, capsys)
     assert not os.path.exists(unwritable)
 
 
+def _args_over_a_previous_report(tmp_path):
+    """A probe run whose --out already holds a report.json of {"old": 1}."""
+    np.save(tmp_path / "ids.npy", np.arange(256) % 256)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "report.json").write_text('{"old": 1}')
+    return ["--ckpt", str(_good_checkpoint(tmp_path)), "--tokens-file", str(tmp_path / "ids.npy"),
+            "--tokens", "256", "--seq-len", "64", "--out", str(tmp_path / "out"), "--no-figures"]
+
+
 def test_a_report_that_cannot_be_serialised_leaves_the_previous_one_intact(tmp_path, capsys, monkeypatch):
     from mhar_lit.analysis import probe
 
     real = probe.build_report
     monkeypatch.setattr(probe, "build_report", lambda *a, **k: {**real(*a, **k), "broken": float("nan")})
-    np.save(tmp_path / "ids.npy", np.arange(256) % 256)
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "report.json").write_text('{"old": 1}')
-    args = ["--ckpt", str(_good_checkpoint(tmp_path)), "--tokens-file", str(tmp_path / "ids.npy"),
-            "--tokens", "256", "--seq-len", "64", "--out", str(tmp_path / "out"), "--no-figures"]
-    assert probe_main(args) == 2
+    assert probe_main(_args_over_a_previous_report(tmp_path)) == 2
     assert capsys.readouterr().err == "probe: error: Out of range float values are not JSON compliant: nan\n"
     assert (tmp_path / "out" / "report.json").read_text() == '{"old": 1}'
 
@@ -596,12 +600,7 @@ def test_a_report_write_that_fails_midway_leaves_the_previous_one_intact(tmp_pat
     real_open = builtins.open
     monkeypatch.setattr(builtins, "open", lambda f, mode="r", *a, **k: FullDisk(real_open(f, mode, *a, **k))
                         if str(f).endswith("report.json.partial") else real_open(f, mode, *a, **k))
-    np.save(tmp_path / "ids.npy", np.arange(256) % 256)
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "report.json").write_text('{"old": 1}')
-    args = ["--ckpt", str(_good_checkpoint(tmp_path)), "--tokens-file", str(tmp_path / "ids.npy"),
-            "--tokens", "256", "--seq-len", "64", "--out", str(tmp_path / "out"), "--no-figures"]
-    assert probe_main(args) == 2
+    assert probe_main(_args_over_a_previous_report(tmp_path)) == 2
     assert capsys.readouterr().err.endswith("report.json: No space left on device\n")
     assert (tmp_path / "out" / "report.json").read_text() == '{"old": 1}'
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.json"]
