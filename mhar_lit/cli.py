@@ -143,14 +143,12 @@ def check_run_inputs(subcommand: Optional[str], config) -> None:
 
 
 def _check_writable(folder: str, setting: str) -> None:
-    import tempfile
+    from mhar_lit.paths import cannot_create_files_in, nearest_existing
 
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as err:
-        raise ValueError(f"{setting} {folder!r} is not writable ({err.strerror}); checkpoints go there") from None
+    existing = nearest_existing(folder)  # nothing is created here: Lightning makes the folder when it saves
+    reason = cannot_create_files_in(existing) if os.path.isdir(existing) else f"{existing} is not a directory"
+    if reason:
+        raise ValueError(f"{setting} {folder!r} is not writable ({reason}); checkpoints go there")
 
 
 def name_unnamed_mlflow_run(config) -> None:

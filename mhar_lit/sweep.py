@@ -19,8 +19,8 @@ import argparse
 import datetime as dt
 import itertools
 import json
-import os
 import math
+import os
 import secrets
 import statistics
 import subprocess

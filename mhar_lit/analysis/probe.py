@@ -19,7 +19,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 from typing import Any, Optional
 
 import torch
@@ -173,16 +172,14 @@ def check_out_dir(out: str) -> None:
         raise ValueError("--out must not be empty")
     if os.path.lexists(out) and not os.path.isdir(out):  # lexists: a dangling link too
         raise ValueError(f"--out {out} exists and is not a directory")
-    existing = os.path.abspath(out)
-    while not os.path.exists(existing):  # the directory that os.makedirs would create it in
-        existing = os.path.dirname(existing)
+    from mhar_lit.paths import cannot_create_files_in, nearest_existing
+
+    existing = nearest_existing(out)  # the directory that os.makedirs would create it in
     if not os.path.isdir(existing):
         raise ValueError(f"--out {out} cannot be created: {existing} is not a directory")
-    try:  # a real write, not os.access: also right for read-only mounts and for root
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as err:
-        raise ValueError(f"--out {out} is not writable: cannot create files in {existing} ({err.strerror})") from err
+    reason = cannot_create_files_in(existing)
+    if reason:
+        raise ValueError(f"--out {out} is not writable: cannot create files in {existing} ({reason})")
 
 
 def check_mlflow_run(tracking_uri: str, run_id: str) -> None:
@@ -196,7 +193,6 @@ def check_mlflow_run(tracking_uri: str, run_id: str) -> None:
     if path is not None and not os.path.exists(path):
         raise ValueError(f"--tracking-uri {tracking_uri}: no MLflow store at {path} (the probe logs into an existing "
                          "run and does not create a store)")
-
     try:
         run = MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
     except Exception as err:  # MlflowException (no such run, bad scheme), SQLAlchemy's error for a non-database file
@@ -238,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", help="tokenizer for --data / the embedded corpus: 'bytes' or a tokenizer.json "
                                             "(default: the checkpoint's datamodule setting, else 'bytes')")
     parser.add_argument("--val-fraction", type=_open_fraction,
-                        help="held-out fraction of documents, 0 < v < 1 (content hash, as in training; default: the "
+                        help="held-out fraction of documents, 0 < v <= 1 (content hash, as in training; default: the "
                              "checkpoint's, else 0.005)")
     parser.add_argument("--text-field", default="text", help="the text column of .jsonl/.parquet inputs")
     parser.add_argument("--tokens", type=_positive_int, default=100_000,

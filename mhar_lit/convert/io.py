@@ -188,12 +188,12 @@ def check_output(target: str | os.PathLike, overwrite: bool = False) -> Path:
         raise ConversionError(f"output {target} exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise ConversionError(f"output directory {target} is not empty; pass --overwrite to replace it")
-    parent = target.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    from mhar_lit.paths import cannot_create_files_in, nearest_existing
+
+    parent = Path(nearest_existing(target.parent))
     if not parent.is_dir():
         raise ConversionError(f"cannot create output directory {target}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if cannot_create_files_in(parent):
         raise ConversionError(f"cannot create output directory {target}: {parent} is not writable")
     return target
 

@@ -2,8 +2,9 @@
 
 Triton's `kernel[grid](*args)` binds the arguments, computes their specialisation and hashes a cache key on
 every call: 17-28 us of host time per launch on the H200 machines (benchmarks/launch_overhead.py), while
-full-mode routing makes a hundred or more launches per pass (one per site and kernel) at the paper's shapes. `launch` keeps the compiled kernel that
-Triton returns from its first launch and calls its launcher directly afterwards.
+full-mode routing makes a hundred or more launches per pass (one per site and kernel) at the paper's shapes.
+`launch` keeps the compiled kernel that Triton returns from its first launch and calls its launcher directly
+afterwards.
 
 What identifies a kept kernel:
 - `key=None`: a key computed from the arguments that covers everything Triton specialises on (`_arg_key`:
