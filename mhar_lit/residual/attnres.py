@@ -24,7 +24,7 @@ library code).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +49,8 @@ class RoutedResidual(ResidualStrategy):
         self.eps = eps
         self.record_weights = False
         self.recorded: dict[int, Tensor] = {}
+        # called with (site, sources [N, B, T, D], detached) at every routing site (mhar_lit.analysis.capture)
+        self.source_observer: Optional[Callable[[int, Tensor], None]] = None
         self._routing_choice: tuple[str, Optional[Mapping]] = ("torch", None)
         self._router = None
 
@@ -114,15 +116,21 @@ class RoutedResidual(ResidualStrategy):
 
     def route_site(self, state: Any, site: int) -> Tensor:
         mixed = self.router.route(state, site)
-        if self.record_weights:
-            self.record(self.router.sources(state, site), site)
+        if self.record_weights or self.source_observer is not None:
+            self._observe(self.router.sources(state, site), site)
         return mixed
 
     # ---- call mode (delta): one routing call over a list of sources
     def route_sources(self, sources: list[Tensor], site: int) -> Tensor:
-        if self.record_weights:
-            self.record(torch.stack(sources), site)
+        if self.record_weights or self.source_observer is not None:
+            self._observe(torch.stack(sources) if len(sources) > 1 else sources[0].unsqueeze(0), site)
         return self.router.route(sources, self.query[site], self.key_norm[site])
+
+    def _observe(self, sources_NBTD: Tensor, site: int) -> None:
+        if self.source_observer is not None:
+            self.source_observer(site, sources_NBTD.detach())
+        if self.record_weights:
+            self.record(sources_NBTD, site)
 
     @torch.no_grad()
     def record(self, sources_NBTD: Tensor, site: int) -> None:
