@@ -518,3 +518,44 @@ def test_bf16_autocast_mixed_source_dtypes_run_on_the_triton_full_path(strategy)
     assert abs(results["triton"][0] - results["torch"][0]) < 2e-2 * abs(results["torch"][0])
     dq_t, dq_r = results["triton"][1], results["torch"][1]
     assert (dq_t - dq_r).abs().max() <= 5e-2 * dq_r.abs().max()
+
+
+@pytest.mark.parametrize("residual_cls,kwargs", [
+    (FullAttnRes, {"heads": 4}),
+    (BlockAttnRes, {"heads": 4, "layers_per_block": 2}),
+    (DeltaAttnRes, {"heads": 4, "layers_per_block": 1}),
+])
+def test_same_strategy_same_outputs_and_gradients_on_both_routers_in_fp32(residual_cls, kwargs):
+    """The seam: one strategy, its router switched between torch and triton (set_routing_backend), gives the same
+    logits and parameter gradients in fp32 to 1e-5 relative (float64: test_decoder_triton_equals_torch_...)."""
+    seed = int(torch.seed() % 2**31)
+    torch.manual_seed(seed)
+    model = DecoderLM(ModelConfig.from_name("tiny"), residual_cls(**kwargs))
+    with torch.no_grad():
+        for name, p in model.residual.named_parameters():
+            p.copy_(torch.randn(p.shape) * 0.5 + (name == "key_norm"))
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(seed))
+    results = {}
+    for backend in ("torch", "triton"):
+        model.zero_grad()
+        model.residual.set_routing_backend(backend)
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        results[backend] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                              if p.grad is not None})
+    (ref, ref_grads), (got, grads) = results["torch"], results["triton"]
+    assert rel(got, ref) <= 1e-5, f"logits {rel(got, ref):.1e} (seed {seed})"
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert rel(grads[name], g) <= 1e-5 or (g - grads[name]).abs().max() <= 1e-7, f"{name} (seed {seed})"
+
+
+def test_strategies_take_no_backend_argument():
+    """The backend is chosen in one place (RoutingBackend or set_routing_backend), never in a strategy's options."""
+    for cls in (FullAttnRes, BlockAttnRes, DeltaAttnRes):
+        with pytest.raises(TypeError):
+            cls(heads=2, backend="triton")
+        residual = cls(heads=2)
+        assert residual.backend == "torch" and residual.router.backend == "torch"
+        residual.set_routing_backend("triton")
+        assert residual.backend == residual.router.backend == "triton"
