@@ -1,15 +1,14 @@
 """Block-mode routing benchmark: all 2L+1 routing sites of one microbatch (BlockAttnRes), forward + backward.
 
-    python benchmarks/block_routing.py [--shapes 100M 350M 1B] [--variants torch triton_percall triton]
+    python benchmarks/block_routing.py [--shapes 100M 350M 1B] [--variants torch torch_two_phase triton]
                                        [--configs 4x2048x1 8x2048x1] [--graph] [--out benchmarks/results]
 
 The strategy object itself is driven (begin / sublayer_input / sublayer_output / final), with the sublayers
 replaced as in benchmarks/routing.py by precomputed outputs tied to the site outputs (_Tie), so the partial
 sums, block boundaries and autograd order are the model's. Variants:
-  torch           BlockAttnRes(backend="torch"): stacked sources, the eager PyTorch reference
-  torch_two_phase BlockAttnRes(backend="torch", two_phase=True): SPEC D's two-phase computation in PyTorch
-  triton_percall  BlockAttnRes(backend="triton", triton_shared_buffer=False): per-call kernel on a stack
-  triton          BlockAttnRes(backend="triton"): BlockRouting, one shared row buffer (--configs: its kernels'
+  torch           BlockAttnRes on the torch router: stacked sources, the eager PyTorch reference
+  torch_two_phase BlockAttnRes(two_phase=True) on the torch router: docs/method.md D's two-phase computation
+  triton          BlockAttnRes on the triton router: BlockRouting, one shared row buffer (--configs: its kernels'
                   warps x tile elements x unroll)
 Every variant and config is first checked on the GPU against the fp32 reference (fp32 and bf16 storage, fewer
 tokens). Times: CUDA events after warm-up, medians (on a machine without CUDA: wall-clock medians of the torch
@@ -47,10 +46,9 @@ BLOCK_LAYERS = {"100M": 2, "350M": 3, "1B": 6, "tiny": 1}  # as benchmarks/train
 def make_strategy(shape_name, variant, dtype, config=None):
     d, L, H, _, _ = SHAPES[shape_name]
     backend = "torch" if variant.startswith("torch") else "triton"
-    knobs = dict(config or {})  # BlockRouting keywords; empty: its defaults
-    strat = BlockAttnRes(heads=H, layers_per_block=BLOCK_LAYERS[shape_name], backend=backend,
-                         triton_shared_buffer=variant != "triton_percall", triton_options=knobs,
-                         two_phase=variant == "torch_two_phase")
+    strat = BlockAttnRes(heads=H, layers_per_block=BLOCK_LAYERS[shape_name], two_phase=variant == "torch_two_phase")
+    # BlockRoutingConfig fields; empty: the measured defaults
+    strat.set_routing_backend(backend, dict(config or {}) if backend == "triton" else None)
     strat.bind(ModelConfig(hidden_size=d, num_layers=L, num_heads=H, num_kv_heads=H, vocab_size=16))
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -215,7 +213,8 @@ def config_label(config):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"], choices=list(SHAPES))
-    parser.add_argument("--variants", nargs="+", default=["torch", "triton_percall", "triton"])
+    parser.add_argument("--variants", nargs="+", default=["torch", "torch_two_phase", "triton"],
+                        choices=["torch", "torch_two_phase", "triton"])
     parser.add_argument("--configs", nargs="+", default=["default"],
                         help="triton warps x tile elements x unroll: BlockRouting's num_warps (0: automatic), "
                              "tile_elements, unroll; or key=value,... of any BlockRouting keywords; 'default': "

@@ -6,8 +6,8 @@ the tensor cores refuse) before any GPU time is spent, and reports registers, sp
 the number of asynchronous-copy instructions (nonzero where Triton software-pipelined a loop's loads) per kernel.
 
     python benchmarks/compile_check.py [--shapes 100M 350M 1B] [--dtype bf16|fp32] [--arch 90]
-                                       [--mode full|block] [--sass DIR] [knob=value ...]  (the routing class's keywords,
-                                                                             e.g. suffix_impl=fma)
+                                       [--mode full|block] [--sass DIR] [knob=value ...]  (fields of the mode's
+                                                                   kernel config, e.g. column_impl=row)
 
 Run without TRITON_INTERPRET (the interpreter replaces the kernels). Exit status 1 if any kernel fails.
 """
@@ -34,12 +34,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import mhar_lit.kernels.block_routing as block_routing  # noqa: E402
 import mhar_lit.kernels.full_routing as full_routing  # noqa: E402
+from mhar_lit.kernels import block, full_backward, full_forward, host  # noqa: E402
 
 SHAPES = {  # name: (B, T, d, sites, H), as benchmarks/routing.py
     "100M": (8, 2048, 512, 25, 8),
     "350M": (4, 1024, 1024, 49, 8),
     "1B": (2, 1024, 1280, 73, 8),
-    "tiny": (1, 64, 480, 21, 3),  # K = 160: the "dot" passes split it as 128 + 32
+    "tiny": (1, 64, 480, 21, 3),  # K = 160: the suffix pass splits it as 128 + 32
 }
 BLOCK_SPAN = {"100M": 4, "350M": 6, "1B": 12, "tiny": 4}  # sites per block (benchmarks/train_step.py)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -49,28 +50,40 @@ _TYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp
 def record_launches(shape_name, dtype, knobs, mode="full"):
     """(kernel, args, constexprs, num_warps) of every launch of one forward + backward, nothing run."""
     b, t, d, n, heads = SHAPES[shape_name]
-    module = full_routing if mode == "full" else block_routing
+    kernel_modules = (full_forward, full_backward) if mode == "full" else (block,)
     calls = []
 
-    def record(kernel, grid, *args, num_warps=4, key=None, **constexprs):
-        calls.append((kernel, args, constexprs, num_warps))
+    class Recorder:  # stands in for a kernel: kernel[grid](*args, **constexprs) records instead of launching
+        def __init__(self, kernel):
+            self.kernel = kernel
 
-    saved = module.launch, module.check_device
-    module.launch, module.check_device = record, (lambda *tensors: None)
+        def __getitem__(self, grid):
+            def record(*args, num_warps=4, **constexprs):
+                calls.append((self.kernel, args, constexprs, num_warps))
+            return record
+
+    saved = [(m, name, kernel) for m in kernel_modules for name, kernel in vars(m).items()
+             if isinstance(kernel, triton.runtime.jit.JITFunction) and name.endswith("_kernel")]
+    saved_check = host.check_device
+    for m, name, kernel in saved:
+        setattr(m, name, Recorder(kernel))
+    host.check_device = lambda *tensors: None
     try:
         emb = torch.zeros(b, t, d, dtype=dtype, requires_grad=True)
         q = torch.zeros(n, d, requires_grad=True)
         g = torch.ones(n, d, requires_grad=True)
         if mode == "full":
-            routing = full_routing.FullRouting(emb, q, g, heads, **knobs)
+            routing = full_routing.FullRouting(emb, q, g, heads, config=knobs)
         else:
-            routing = block_routing.BlockRouting(emb, q, g, heads, BLOCK_SPAN[shape_name], **knobs)
+            routing = block_routing.BlockRouting(emb, q, g, heads, BLOCK_SPAN[shape_name], config=knobs)
         x = emb
         for s in range(n):
             x = routing.route(s, emb if s == 0 else x * 1.0, *((q, g) if s == 0 else (None, None)))
         x.float().sum().backward()
     finally:
-        module.launch, module.check_device = saved
+        for m, name, kernel in saved:
+            setattr(m, name, kernel)
+        host.check_device = saved_check
     return calls
 
 
@@ -159,7 +172,7 @@ def main():
     parser.add_argument("--mode", default="full", choices=["full", "block"])
     parser.add_argument("--sass", metavar="DIR",
                         help="write each kernel configuration's SASS (cuobjdump) and TTGIR into DIR")
-    parser.add_argument("knobs", nargs="*", help="FullRouting / BlockRouting keywords name=value")
+    parser.add_argument("knobs", nargs="*", help="FullRoutingConfig / BlockRoutingConfig fields name=value")
     args = parser.parse_args()
     knobs = {}
     for item in args.knobs:

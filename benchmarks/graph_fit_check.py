@@ -44,7 +44,9 @@ class _StepClock(L.Callback):
 
 def fit(size: str, method: str, graph: bool, batches: list[torch.Tensor]) -> dict:
     torch.manual_seed(0)
-    residual = StandardResidual() if method == "baseline" else FullAttnRes(heads=8, backend="triton")
+    residual = StandardResidual() if method == "baseline" else FullAttnRes(heads=8)
+    if method != "baseline":
+        residual.set_routing_backend("triton")
     module = LanguageModel(size=size, residual=residual, warmup_steps=2, lr=3e-4, cuda_graph=graph)
     clock = _StepClock()
     trainer = L.Trainer(accelerator="gpu", devices=1, precision="bf16-true", max_steps=len(batches),

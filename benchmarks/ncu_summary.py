@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import os
-import sys
 
 FIELDS = [  # (label, metric, scale)
     ("time us", "gpu__time_duration.sum", 1e-3),
@@ -73,5 +72,9 @@ def summarise(path):
 
 
 if __name__ == "__main__":
-    for path in sys.argv[1:]:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("csv", nargs="*", help="ncu --csv --page raw exports")
+    for path in parser.parse_args().csv:
         print("\n".join(summarise(path)))

@@ -1,4 +1,4 @@
-"""Results table and H-sweep plot of the replication (issue 8) from the files `benchmarks/replicate.sh` writes.
+"""Results table and H-sweep plot of the replication from the files `benchmarks/replicate.sh` writes.
 
     python benchmarks/plot_heads.py [RESULTS_DIR [LR]]   (default benchmarks/results/replication; LR from
                                                          RESULTS_DIR/lr-picked.txt)
@@ -259,5 +259,10 @@ def plot(points, base, path: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/replication",
-                  sys.argv[2] if len(sys.argv) > 2 else None))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="?", default="benchmarks/results/replication")
+    parser.add_argument("lr", nargs="?", default=None)
+    cli = parser.parse_args()
+    sys.exit(main(cli.results, cli.lr))

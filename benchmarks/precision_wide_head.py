@@ -3,7 +3,6 @@ block) at head width 96 (d 192, H 2, 7 sites), against float64, compared with Py
 same draws. CPU, Triton interpreter; minutes per 10 draws in full mode, seconds in block mode.
 
     TRITON_INTERPRET=1 python benchmarks/precision_wide_head.py [--draws 30] [--mode full|block]
-                                                                [--impl fma|dot]
 
 The stacks are the kernel tests' (tests/kernels/kernel_helpers: S_{s+1} = tanh(x_s @ M_s)).
 Per draw: relative error of the final output and of the three gradients for (1) the Triton path, (2) torch
@@ -33,31 +32,25 @@ NAMES = ("output", "d_embedding", "d_query", "d_norm_weight")
 SITES, D, HEADS = 7, 192, 2
 
 
-IMPLS = {"full": ("fma", "dot"), "block": ("block_pass",)}  # block mode has one backward since 2026-12-04
+MODES = ("full", "block")
 
 
 def make_problem(mode, gen):
     return full_mode_problem(SITES, 2, 3, D, gen) if mode == "full" else block_mode_problem(SITES // 2, D, gen)
 
 
-def evaluate(mode, kind, problem, dtype, impl=None):
+def evaluate(mode, kind, problem, dtype):
     if mode == "block":
         return block_mode_output_and_grads(kind, *problem, HEADS, 2, dtype)
-    knobs = {} if kind == "torch" else dict(prefix_impl=impl, suffix_impl=impl)
-    return full_mode_output_and_grads(kind, *problem, HEADS, dtype, chunk=3, group=2, **knobs)
+    return full_mode_output_and_grads(kind, *problem, HEADS, dtype, chunk=3, group=2)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=30)
     parser.add_argument("--seed", type=int, default=100, help="first draw's seed")
-    parser.add_argument("--mode", default="full", choices=sorted(IMPLS))
-    parser.add_argument("--impl", default=None, choices=[i for v in IMPLS.values() for i in v],
-                        help="full mode: prefix/suffix pass version (fma); block mode: its one backward (block_pass)")
+    parser.add_argument("--mode", default="full", choices=MODES)
     args = parser.parse_args()
-    args.impl = args.impl or IMPLS[args.mode][0]
-    if args.impl not in IMPLS[args.mode]:
-        parser.error(f"--impl {args.impl} is not a {args.mode}-mode version {IMPLS[args.mode]}")
     rows = []
     for seed in range(args.seed, args.seed + args.draws):
         gen = torch.Generator().manual_seed(seed)
@@ -66,11 +59,11 @@ def main() -> None:
         ref32 = evaluate(args.mode, "torch", problem, torch.float32)
         moved, back = permuted_within_heads(problem, HEADS, gen)
         perm32 = back(evaluate(args.mode, "torch", moved, torch.float32))
-        tri32 = evaluate(args.mode, "triton", problem, torch.float32, args.impl)
+        tri32 = evaluate(args.mode, "triton", problem, torch.float32)
         rows.append([(rel(t, x), rel(r, x), rel(p, x)) for t, r, p, x in zip(tri32, ref32, perm32, exact)])
         print(f"seed {seed}: " + "  ".join(f"{n} {t:.1e}/{r:.1e}/{p:.1e}" for n, (t, r, p) in zip(NAMES, rows[-1])),
               flush=True)
-    print(f"\n{args.draws} draws, {args.mode} mode, impl {args.impl}: RMS of the relative errors (triton / "
+    print(f"\n{args.draws} draws, {args.mode} mode: RMS of the relative errors (triton / "
           "torch fp32 / torch fp32 permuted) and the share of draws above max(1e-5, 2x torch fp32's error)")
     for i, name in enumerate(NAMES):
         rms = [statistics.fmean(r[i][k] ** 2 for r in rows) ** 0.5 for k in range(3)]

@@ -36,10 +36,11 @@ def kernel_table(prob, options):
 
 
 def print_registers():
-    from mhar_lit.kernels import _routing_kernels as kern
+    from mhar_lit.kernels import full_backward, full_forward
 
-    for name in sorted(n for n in vars(kern) if n.endswith("_kernel")):  # every kernel, the new ones too
-        fn = getattr(kern, name)
+    kernels = {n: k for m in (full_forward, full_backward) for n, k in vars(m).items() if n.endswith("_kernel")}
+    for name in sorted(kernels):  # every kernel, the new ones too
+        fn = kernels[name]
         for caches in getattr(fn, "device_caches", {}).values():
             cache = caches[0] if isinstance(caches, tuple) else caches
             for compiled in cache.values():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Small-scale replication of the paper's comparison on one H200 (issue 8), run through the package's own
+# Small-scale replication of the paper's comparison on one H200, run through the package's own
 # `sweep` and `compare` as a user would. Every run uses configs/replication/base.yaml (400 steps of 16 x 1024
 # tokens) plus one method overlay from configs/methods/; all runs carry the sweep id `rep`. From the
 # repository root on the GPU machine:

@@ -81,7 +81,7 @@ def run_once(prob, variant, leaves=None, compiled=None, options=None):
     if variant == "triton":
         from mhar_lit.kernels.full_routing import FullRouting
 
-        routing = FullRouting(ys[0], q, g, H, **(options or {}))
+        routing = FullRouting(ys[0], q, g, H, config=options)
     sources = [ys[0]]
     x = None
     for s in range(n):
@@ -249,7 +249,7 @@ def floor_ms(shape_name, bandwidth):
 
 
 def parse_grid(text):
-    """FullRouting keyword dicts of a --grid text (see --grid's help)."""
+    """FullRoutingConfig field dicts of a --grid text (see --grid's help)."""
     configs = []
     for entry_text in filter(None, text.split(";")):
         if "=" in entry_text:
@@ -267,8 +267,8 @@ def main():
     parser.add_argument("--variants", nargs="+", default=["torch", "compile", "triton_percall", "triton"])
     parser.add_argument("--tune", action="store_true", help="also time a grid of chunk/group/warps/tile")
     parser.add_argument("--grid", default="8,4,2,2048;4,8,2,2048;8,8,2,2048;4,4,4,2048;4,8,2,4096;4,8,2,1024",
-                        help="--tune grid: entries separated by ';', each 'chunk,group,warps,tile' or FullRouting "
-                             "keywords 'name=value,...' (e.g. 'suffix_unroll=2,suffix_tokens=4')")
+                        help="--tune grid: entries separated by ';', each 'chunk,group,warps,tile' or FullRoutingConfig "
+                             "fields 'name=value,...' (e.g. 'prefix_unroll=2,suffix_tokens=4')")
     parser.add_argument("--graph", action="store_true",
                         help="also time every triton config captured in a CUDA graph (no host launch cost)")
     parser.add_argument("--reps", type=int, default=10)

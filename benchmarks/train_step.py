@@ -1,6 +1,6 @@
 """Time full training steps (forward + backward + fused AdamW) of each method at the paper's sizes.
 
-    python benchmarks/train_step.py [--sizes 100M 350M 1B] [--methods baseline mhar block block_percall hf]
+    python benchmarks/train_step.py [--sizes 100M 350M 1B] [--methods baseline mhar block hf]
                                     [--rounds 4] [--steps 3]
 
 Per (size, method): bf16 parameters and compute (the paper's bf16-true), the paper's per-GPU microbatch
@@ -62,14 +62,12 @@ def build(size: str, method: str, backend: str):
         return transformers.Qwen3ForCausalLM(hf_cfg)
     residual = {
         "baseline": lambda: StandardResidual(),
-        "mhar": lambda: FullAttnRes(heads=8, backend=backend, triton_options=options),
-        "single": lambda: FullAttnRes(heads=1, backend=backend),
-        "block": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend,
-                                      triton_options=options),
-        # the per-call kernel over a stack per site (the block path before the shared row buffer)
-        "block_percall": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size], backend=backend,
-                                              triton_shared_buffer=False),
+        "mhar": lambda: FullAttnRes(heads=8),
+        "single": lambda: FullAttnRes(heads=1),
+        "block": lambda: BlockAttnRes(heads=8, layers_per_block=BLOCK_LAYERS[size]),
     }[method]()
+    if hasattr(residual, "set_routing_backend"):  # options: the triton router's kernel config fields
+        residual.set_routing_backend(backend, (options or None) if backend == "triton" else None)
     return DecoderLM(cfg, residual)
 
 

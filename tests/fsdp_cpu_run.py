@@ -21,6 +21,11 @@ from mhar_lit.config import ModelConfig
 from mhar_lit.models.decoder import DecoderLM
 from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes, HyperConnections, StandardResidual
 
+def on_triton(strategy):
+    strategy.set_routing_backend("triton")
+    return strategy
+
+
 STRATEGIES = {
     "standard": StandardResidual,
     "hc": lambda: HyperConnections(dynamic=True),
@@ -28,8 +33,8 @@ STRATEGIES = {
     "block": lambda: BlockAttnRes(heads=4, layers_per_block=1, random_query_init=True),
     "delta": lambda: DeltaAttnRes(heads=4, layers_per_block=1),
     # Fused Triton routing (run with TRITON_INTERPRET=1 on CPU): the chunked full path and the per-call delta path.
-    "mhar-triton": lambda: FullAttnRes(heads=4, random_query_init=True, backend="triton"),
-    "delta-triton": lambda: DeltaAttnRes(heads=4, layers_per_block=1, backend="triton"),
+    "mhar-triton": lambda: on_triton(FullAttnRes(heads=4, random_query_init=True)),
+    "delta-triton": lambda: on_triton(DeltaAttnRes(heads=4, layers_per_block=1)),
 }
 
 

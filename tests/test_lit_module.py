@@ -54,10 +54,10 @@ def test_checkpoint_from_another_strategy_or_size_is_a_clear_error(tmp_path):
         LanguageModel(size="tiny-4l", residual=FullAttnRes(heads=4)).on_load_checkpoint(ckpt)
     with pytest.raises(ValueError, match="not written by mhar_lit"):
         LanguageModel(size="tiny").on_load_checkpoint({"state_dict": {}})
-    LanguageModel(size="tiny", residual=FullAttnRes(heads=4, backend="torch")).on_load_checkpoint(ckpt)  # same: ok
+    LanguageModel(size="tiny", residual=FullAttnRes(heads=4)).on_load_checkpoint(ckpt)  # same: ok
     # files written before triton_options became a runtime option list it: still the same strategy
     ckpt["mhar_lit"]["residual"]["options"]["triton_options"] = {}
-    LanguageModel(size="tiny", residual=FullAttnRes(heads=4, triton_options={"suffix_impl": "fma"})).on_load_checkpoint(ckpt)
+    LanguageModel(size="tiny", residual=FullAttnRes(heads=4)).on_load_checkpoint(ckpt)
 
 
 def test_model_from_checkpoint_round_trip(tmp_path):
@@ -148,12 +148,14 @@ def test_state_dict_holds_each_weight_once():
 
 
 def test_triton_tuning_knobs_do_not_change_checkpoint_identity():
-    a = strategy_signature(FullAttnRes(heads=4, backend="triton", triton_chunk=4, triton_group=8,
-                                       triton_options={"suffix_impl": "fma"}))
-    b = strategy_signature(FullAttnRes(heads=4, backend="torch", triton_chunk=2, triton_group=4))
+    full = FullAttnRes(heads=4)
+    full.set_routing_backend("triton", {"chunk": 4, "group": 8})
+    a = strategy_signature(full)
+    b = strategy_signature(FullAttnRes(heads=4))
     assert a == b and a["options"]["heads"] == 4
-    a = strategy_signature(BlockAttnRes(heads=4, layers_per_block=2, backend="triton", triton_shared_buffer=False,
-                                        triton_options={"num_warps": 4}))
+    block = BlockAttnRes(heads=4, layers_per_block=2)
+    block.set_routing_backend("triton", {"num_warps": 4})
+    a = strategy_signature(block)
     b = strategy_signature(BlockAttnRes(heads=4, layers_per_block=2, two_phase=True))
     assert a == b and a["options"] == {"heads": 4, "layers_per_block": 2, "random_query_init": False, "eps": 1e-6}
 

@@ -144,7 +144,7 @@ def test_block_mode_sources_hand_computed():
     e = torch.randn(1, 1, cfg.hidden_size)
     y = [torch.randn(1, 1, cfg.hidden_size) for _ in range(8)]
     seen = {}
-    strat.route_sources = lambda sources, site: seen.setdefault(site, [s.clone() for s in sources])[0]
+    strat.source_observer = lambda site, sources: seen.setdefault(site, [s.clone() for s in sources])
     state = strat.begin(e)
     for s in range(8):
         strat.sublayer_input(state, s)

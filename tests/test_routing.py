@@ -15,7 +15,7 @@ def _random_case(n=5, b=2, t=3, d=16, dtype=torch.float64, seed=None):
 
 
 def single_head_formula(sources, query, norm_weight, eps=1e-6):
-    """SPEC B written out directly: softmax_n <q, RMSNorm_g(S_n)>, mix of unnormalised sources (float64)."""
+    """docs/method.md B written out directly: softmax_n <q, RMSNorm_g(S_n)>, mix of unnormalised sources (float64)."""
     s = sources.double()
     keys = s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
     logits = torch.einsum("nbtd,d->nbt", keys, query.double())

@@ -1,6 +1,6 @@
 """The Triton routing callback in real CPU fits (Triton's interpreter runs the kernels on CPU tensors).
 
-What must hold (issue 4): the backend is chosen at setup; with Triton chosen, the first training batch is run
+What must hold: the backend is chosen at setup; with Triton chosen, the first training batch is run
 through both backends and the error logged with the backend; a failed check is an error unless a fallback is
 configured, and a fallback says so (warning and logged tag); nothing is switched silently.
 """

@@ -1,9 +1,8 @@
 """Capturing the exact sources every routing site of a model routes over.
 
-The model's depth loop hands each site its stacked sources through `RoutedResidual.route_sources(sources,
-site)`; wrapping that one method on the strategy *instance* sees exactly what the site mixes, whatever the
-strategy builds its sources from (Full: embedding + raw outputs; Block: block sums + partial; Delta: null
-source + block deltas). The forward pass itself is unchanged: the wrapper calls the original method.
+Every routing site of a RoutedResidual passes its stacked sources to the strategy's `source_observer`; setting
+it sees exactly what the site mixes, whatever the strategy builds its sources from (Full: embedding + raw
+outputs; Block: block sums + partial; Delta: null source + block deltas). The forward pass is unchanged.
 """
 
 from __future__ import annotations
@@ -33,24 +32,15 @@ def routed_residual(model: nn.Module) -> RoutedResidual:
 
 @contextlib.contextmanager
 def observe_sources(model: nn.Module, observer: SiteObserver) -> Iterator[RoutedResidual]:
-    """Within the block, every route_sources call first passes (site, detached stacked sources) to observer."""
+    """Within the block, every routing site passes (site, detached stacked sources) to observer."""
     residual = routed_residual(model)
-    if "route_sources" in vars(residual):
-        raise RuntimeError("route_sources is already wrapped on this strategy (nested observe_sources?)")
-    original = residual.route_sources  # the bound class method
-
-    def wrapped(sources: list[Tensor], site: int) -> Tensor:
-        # Stack exactly as RoutedResidual.route_sources does, so the observer sees the routed tensor.
-        stacked = torch.stack(sources) if len(sources) > 1 else sources[0].unsqueeze(0)
-        observer(site, stacked.detach())
-        return original(sources, site)
-
-    # An instance attribute shadows the method; plain functions are not registered by nn.Module.
-    object.__setattr__(residual, "route_sources", wrapped)
+    if residual.source_observer is not None:
+        raise RuntimeError("this strategy's sources are already observed (nested observe_sources?)")
+    residual.source_observer = observer
     try:
         yield residual
     finally:
-        object.__delattr__(residual, "route_sources")
+        residual.source_observer = None
 
 
 @torch.no_grad()

@@ -48,6 +48,9 @@ def describe(strategy: ResidualStrategy) -> dict[str, Any]:
     return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}
 
 
+LEGACY_RUNTIME_OPTIONS = ("backend", "triton_chunk", "triton_group", "triton_options", "triton_shared_buffer")
+
+
 def rebuild(description: dict[str, Any], backend: Optional[str] = None) -> ResidualStrategy:
     """Inverse of `describe`; `backend` overrides the routing backend (e.g. 'torch' on a CPU machine)."""
     class_path = description.get("class_path", "")
@@ -61,9 +64,12 @@ def rebuild(description: dict[str, Any], backend: Optional[str] = None) -> Resid
     if not (isinstance(cls, type) and issubclass(cls, ResidualStrategy)):
         raise ConversionError(f"mhar_config.json: {class_path!r} is not a ResidualStrategy")
     init_args = dict(description.get("init_args") or {})
-    if backend is not None and "backend" in inspect.signature(cls.__init__).parameters:
-        init_args["backend"] = backend
-    return cls(**init_args)
+    for name in LEGACY_RUNTIME_OPTIONS:  # files written when strategies took the routing backend and knobs
+        init_args.pop(name, None)
+    strategy = cls(**init_args)
+    if backend is not None and hasattr(strategy, "set_routing_backend"):
+        strategy.set_routing_backend(backend)
+    return strategy
 
 
 def is_standard(description: dict[str, Any]) -> bool:

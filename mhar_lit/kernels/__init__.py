@@ -1,12 +1,13 @@
-"""Triton kernels for depth routing.
+"""Triton kernels for depth routing (used through mhar_lit.routing's triton routers).
 
-- routing_triton.route_triton: the per-call fused op behind route(..., backend="triton").
-- full_routing.FullRouting: chunked cross-site reuse for full mode (one shared source buffer per forward
-  pass; used by FullAttnRes when backend="triton").
-- block_routing.BlockRouting: block mode over one shared row buffer (used by BlockAttnRes when
-  backend="triton").
-- launch.launch: the routing kernels' launch path (keeps Triton's compiled kernels, skips its per-call
-  binding; MHAR_FAST_LAUNCH=0 turns it off).
+Host side, one file per routing op:
+- routing_triton.route_triton / route_triton_list: the per-call fused op (a torch.library custom op; delta mode
+  and route(..., backend="triton")). Kernels: per_call.py.
+- full_routing.FullRouting: chunked cross-site reuse for full mode, one shared source buffer per forward pass.
+  Kernels: full_forward.py, full_backward.py.
+- block_routing.BlockRouting: block mode over one shared row buffer. Kernels: block.py.
+Shared: common.py (jit helpers), host.py (checks, tile sizes), tuning.py (FullRoutingConfig, BlockRoutingConfig
+and the measured defaults).
 
 Import needs triton; the interpreter (TRITON_INTERPRET=1) must be selected before this package is imported.
 """

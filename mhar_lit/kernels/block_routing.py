@@ -1,8 +1,8 @@
-"""Block-mode routing over one shared row buffer (BlockAttnRes, backend="triton"; SPEC D).
+"""Block-mode routing over one shared row buffer (the triton block router; docs/method.md D).
 
 One `BlockRouting` object lives for one forward pass. Site s (0..n-1, n = 2L+1, called in order) brings
 y_{s-1} (site 0: the embedding); the kernel forms the block's running partial sum R_s in the buffer itself
-(see _block_kernels), so a site's forward is one launch and one autograd node: no stack of the sources per site, no
+(see kernels/block.py), so a site's forward is one launch and one autograd node: no stack of the sources per site, no
 separate partial-sum add, no copies of the block sums. Each site reads the completed block rows and its own
 row once; the statistic of a block row is taken once, when the row is written.
 
@@ -23,115 +23,58 @@ model feeds the next sublayer, so only hand-built stacks can do that.)
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from mhar_lit.kernels import _block_kernels as kern
-from mhar_lit.kernels.launch import launch
-from mhar_lit.kernels.routing_triton import (accumulator, check_device, check_storage_dtype, pow2, split_w,
-                                             tile_tokens)
-
-# Tile and warps from the H200 measurements of 2026-12-03 (session 7; benchmarks/results/block_routing.md). Call 1:
-# of 4 / 8 warps x 2048 / 4096 / 8192 tile elements, 2048 was fastest at every shape. Call 2 (backward
-# "block_pass", CUDA graph): 4 warps best at 100M / 350M (5.05 / 6.37 ms; 8 warps 5.67 / 6.59), 8 warps at 1B
-# (6.73 ms; 4 warps 7.98), where a 2048-element tile holds one token. num_warps=0 picks by that rule.
-# With the session-14 backward (2026-12-05, session 15, CUDA graph): 4096-element tiles 3.17 / 3.67 / 4.41 ms
-# against 2048's 3.16 / 3.97 / 4.68 (100M / 350M / 1B; benchmarks/results/suite_2026-12-05_s15_call2_*).
-DEFAULT_WARPS = 0
-DEFAULT_TILE = 4096
-UNROLL_CHOICES = (1, 2)  # block rows whose loads the forward's loop issues together
-# Backward design (2026-12-04, session 14; timed in session 15: 3.15 / 3.97 / 4.72 ms against the session-7
-# design's 5.05 / 6.36 / 6.74 in the same call, CUDA graph, 2048-element tiles): block pairs are formed
-# in the per-block pass, each block row read once per block instead of once per site, and dq/dg come from one
-# tensor-core pass over every pair's dl instead of per-program partials of every site (at 1B, one token per
-# program, those were twice the bytes of the row, per site). Traffic model (benchmarks/block_routing.py
-# traffic_bytes): see benchmarks/results/block_routing.md.
-# Software pipelining (Triton's num_stages on tl.range: the next iterations' loads go out as asynchronous copies
-# into shared memory while this one computes; Triton does it for a loop without a dot only when the loop asks).
-# H200, 2026-12-05 (session 16, call 2, CUDA graph, per-kernel times; benchmarks/results/block_routing.md):
-# forward's block-row loop with 3 stages 0.855 / 1.131 / 1.743 ms against 0.926 / 1.203 / 1.333 unpipelined
-# (100M / 350M / 1B): pipelined where a program holds >= 4 tokens (at 1B, 2 tokens, it loses); the block
-# pass's site loop lost with every stage count (3: 1.245 / 1.496 / 1.595 against 1.197 / 1.457 / 1.755 at 4
-# warps; with 8 warps 1.210 / 1.384 / 1.882 against call 1's unpipelined 1.087 / 1.303 / 1.375), so it is not
-# pipelined; the dq/dg pass's partial-row loop with 3 stages 0.335 / 0.308 / 0.342 against 0.387 / 0.393 / 0.456.
-# stages=0: these defaults; a number: that many stages for all three loops (1: none).
-PIPELINED_FORWARD_MIN_TOKENS = 4
-PIPELINE_STAGES = 3
-# the block pass: 8 warps (call 1, unpipelined: 1.087 / 1.303 / 1.375 ms against 4 warps' 1.197 / 1.457 / 1.755)
-DEFAULT_PASS_WARPS = 8
-QUERY_GRAD_TOKENS = 64  # tokens per program of the dq/dg pass (as FullRouting's DOT_TOKENS)
-
-
-def aligned(x: Tensor) -> bool:
-    return x.data_ptr() % 16 == 0
+from mhar_lit.kernels import block as block_kernels
+from mhar_lit.kernels.host import (accumulator, aligned, check_site_params, check_storage_dtype, pow2,
+                                   split_w, tile_tokens)
+from mhar_lit.kernels.tuning import (BLOCK_PASS_WARPS, PIPELINE_STAGES, PIPELINED_FORWARD_MIN_TOKENS,
+                                     QUERY_GRAD_TOKENS, BlockRoutingConfig, make_config)
 
 
 class BlockRouting:
     """State of block-mode routing for one forward pass (see module docstring). `span` = sites per block
-    (2 x layers per block); the final site (n - 1) belongs to the last block."""
+    (2 x layers per block); the final site (n - 1) belongs to the last block. `config`: a BlockRoutingConfig,
+    a mapping of its fields, or None for the measured defaults."""
 
     def __init__(self, embedding_BTD: Tensor, query_SD: Tensor, norm_weight_SD: Tensor, heads: int, span: int,
-                 eps: float = 1e-6, num_warps: int = DEFAULT_WARPS, tile_elements: int = DEFAULT_TILE,
-                 unroll: int = 1, pass_warps: int = 0, pass_tile_elements: int = 0, pass_unroll: int = 1,
-                 stages: int = 0, pass_w_tile: int = 0, pass_dl_buffer: int = 0) -> None:
-        if embedding_BTD.dim() != 3:
-            raise ValueError(f"embedding must be [B, T, D], got {tuple(embedding_BTD.shape)}")
+                 eps: float = 1e-6, config: Optional[Any] = None) -> None:
+        check_site_params(embedding_BTD, query_SD, norm_weight_SD, heads)
         b, t, d = embedding_BTD.shape
         n = query_SD.shape[0]
-        if query_SD.shape != (n, d) or norm_weight_SD.shape != (n, d):
-            raise ValueError(f"query {tuple(query_SD.shape)} and norm_weight {tuple(norm_weight_SD.shape)} "
-                             f"must both be (sites, {d})")
-        if d % heads != 0:
-            raise ValueError(f"hidden size {d} is not divisible by the number of routing heads {heads}")
         if span < 2 or span % 2 or (n - 1) % span:
             raise ValueError(f"sites per block ({span}) must be an even number that divides the {n - 1} "
                              "layer sites")
-        for name, value in (("unroll", unroll), ("pass_unroll", pass_unroll)):
-            if value not in UNROLL_CHOICES:
-                raise ValueError(f"{name} must be one of {UNROLL_CHOICES}, got {value}")
-        for name, value in (("pass_w_tile", pass_w_tile), ("pass_dl_buffer", pass_dl_buffer)):
-            if value not in (0, 1):
-                raise ValueError(f"{name} must be 0 or 1, got {value}")
-        if stages < 0:
-            raise ValueError(f"stages must be >= 0 (0: automatic, 1: loops not software-pipelined), got {stages}")
-        if num_warps < 0 or tile_elements < 1 or pass_warps < 0 or pass_tile_elements < 0:
-            raise ValueError(f"num_warps ({num_warps}) and pass_warps ({pass_warps}) must be >= 0 (0: automatic), "
-                             f"tile_elements ({tile_elements}) positive and pass_tile_elements "
-                             f"({pass_tile_elements}) >= 0 (0: tile_elements)")
-        check_storage_dtype(embedding_BTD.dtype)
-        check_device(embedding_BTD, query_SD, norm_weight_SD)
-        self.unroll = unroll
+        cfg = self.config = make_config(BlockRoutingConfig, config)
         self.shape, self.n_sites, self.heads, self.eps, self.span = (b, t, d), n, heads, eps, span
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
         self.acc_t, self.acc_tl = accumulator(self.dtype)
         self.p, self.k = b * t, d // heads
         self.h_p, self.k_p = pow2(heads), pow2(self.k)
-        self.block_t = tile_tokens(self.h_p * self.k_p, tile_elements)
+        self.block_t = tile_tokens(self.h_p * self.k_p, cfg.tile_elements)
         self.programs = triton.cdiv(self.p, self.block_t)
-        self.num_warps = num_warps or (8 if self.block_t == 1 else 4)
+        self.num_warps = cfg.num_warps or (8 if self.block_t == 1 else 4)
         # the block pass may tile differently (its programs hold more state: a row, its keys, dv and a dout)
-        self.pass_block_t = tile_tokens(self.h_p * self.k_p, pass_tile_elements or tile_elements)
+        self.pass_block_t = tile_tokens(self.h_p * self.k_p, cfg.pass_tile_elements or cfg.tile_elements)
         self.pass_programs = triton.cdiv(self.p, self.pass_block_t)
-        self.pass_warps = pass_warps or DEFAULT_PASS_WARPS
-        self.pass_unroll = pass_unroll
-        self.pass_w_tile, self.pass_dl_buffer = bool(pass_w_tile), bool(pass_dl_buffer)
-        self.fwd_stages = stages or (PIPELINE_STAGES if self.block_t >= PIPELINED_FORWARD_MIN_TOKENS else 1)
-        self.pass_stages = stages or 1
-        self.query_grad_stages = stages or PIPELINE_STAGES
+        self.pass_warps = cfg.pass_warps or BLOCK_PASS_WARPS
+        self.fwd_stages = cfg.stages or (PIPELINE_STAGES if self.block_t >= PIPELINED_FORWARD_MIN_TOKENS else 1)
+        self.pass_stages = cfg.stages or 1
+        self.query_grad_stages = cfg.stages or PIPELINE_STAGES
         self.k_b = 32 if self.k >= 32 else 16  # column slice of the dq/dg pass (as FullRouting's)
         self.prec = "ieee" if self.acc_t == torch.float64 else "tf32x3"  # fp32-accurate tensor-core dots
         self.param_dtypes = (query_SD.dtype, norm_weight_SD.dtype)
-        self._key = (self.shape, n, heads, eps, self.dtype, span)
         with torch.no_grad():
             self.q_SD = query_SD.detach().to(self.acc_t).clone()
             self.g_SD = norm_weight_SD.detach().to(self.acc_t).clone()
-            # w = q g; with pass_w_tile the block pass loads it in the rows' dtype (hi + lo): every kernel uses
-            # that value either way
-            self.w_SD, self.w_parts = split_w(self.q_SD * self.g_SD, self.dtype)
+            # w = q g, with bf16 rows rounded to 16 significant bits as FullRouting's tensor-core operands are
+            # (host.split_w); every kernel uses that same value
+            self.w_SD = split_w(self.q_SD * self.g_SD, self.dtype)[0]
         self.rows = torch.empty(n, self.p, d, dtype=self.dtype, device=self.device)
         self.r = torch.empty(n, self.p, dtype=self.acc_t, device=self.device)
         self.lse = torch.empty(n, self.p, heads, dtype=self.acc_t, device=self.device)
@@ -195,12 +138,11 @@ class BlockRouting:
         new = new_BTD.contiguous()
         add_prev = int(site > 0 and not self.is_block_start(site - 1))
         out_PD = torch.empty(self.p, d, dtype=self.dtype, device=self.device)
-        launch(kern._block_fwd_kernel, (self.programs,),
+        block_kernels._block_fwd_kernel[(self.programs,)](
             new, self.rows, self.r, self.w_SD, out_PD, self.lse,
             site, self.block_rows_before(site), self.span, add_prev, self.p, d, self.heads, self.k, self.eps,
-            BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.unroll,
-            STAGES=self.fwd_stages,
-            num_warps=self.num_warps, key=(self._key, new.dtype, aligned(new)),
+            BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.config.unroll,
+            STAGES=self.fwd_stages, num_warps=self.num_warps,
         )
         self.next_site += 1
         return out_PD.view(self.shape)
@@ -246,23 +188,22 @@ class BlockRouting:
         dims = (self.p, self.shape[2], self.heads, self.k)
         has_chain = not start and site < n - 1
         bw["douts"][site - s0] = dout  # the block pass reads it through bw["dout_ptrs"]
-        launch(kern._block_site_bwd_kernel, (self.programs,),
+        block_kernels._block_site_bwd_kernel[(self.programs,)](
             self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["dout_ptrs"], bw["S"], bw["dl"],
             bw["next_dsrc"] if has_chain else dsrc_PD, dsrc_PD, site, site - s0, int(not start), int(has_chain),
             blocks, *dims, dout.data_ptr(),
             BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
-            num_warps=self.num_warps, key=(self._key, aligned(out_BTD)),  # dout: aligned (backward_site)
+            num_warps=self.num_warps,
         )
         if not start:
             return
         slots = (n - s0) if block == blocks - 1 else self.span
-        launch(kern._block_pass_bwd_kernel, (self.pass_programs * (block + 1),),  # a program per tile and row
-            self.rows, self.r, *(self.w_parts if self.pass_w_tile else (self.w_SD, self.w_SD)), self.lse,
+        grid = (self.pass_programs * (block + 1),)  # a program per tile and row
+        block_kernels._block_pass_bwd_kernel[grid](
+            self.rows, self.r, self.w_SD, self.lse,
             bw["dout_ptrs"], bw["S"], bw["dl"], bw["G"], dsrc_PD, block, s0, slots, self.span, blocks, *dims,
             LAST=block == blocks - 1, BLOCK_T=self.pass_block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
-            SLOT_UNROLL=self.pass_unroll, STAGES=self.pass_stages, W_TILE=self.pass_w_tile,
-            SPLIT_W=self.pass_w_tile and self.w_parts[0] is not self.w_parts[1],
-            SLOTS_P=pow2(self.span + 1) if self.pass_dl_buffer else 0, num_warps=self.pass_warps, key=self._key,
+            SLOT_UNROLL=self.config.pass_unroll, STAGES=self.pass_stages, num_warps=self.pass_warps,
         )
         bw["douts"] = [None] * len(bw["douts"])  # the block's douts are read; the block before fills the table
 
@@ -271,12 +212,11 @@ class BlockRouting:
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
         token_blocks = triton.cdiv(p, QUERY_GRAD_TOKENS)
         a_part = torch.empty(token_blocks, n, d, dtype=self.acc_t, device=self.device)
-        launch(kern._block_query_grad_kernel, (token_blocks, self.heads, triton.cdiv(self.k, self.k_b)),
+        block_kernels._block_query_grad_kernel[(token_blocks, self.heads, triton.cdiv(self.k, self.k_b))](
             self.rows, self.r, bw["dl"], a_part, n, self.block_rows_before(n - 1), self.span, p, d, self.heads,
             self.k,
             BLOCK_T=QUERY_GRAD_TOKENS, K_B=self.k_b, S_P=max(16, pow2(n)), ACC=self.acc_tl, PREC=self.prec,
-            STAGES=self.query_grad_stages,
-            num_warps=4, key=self._key,
+            STAGES=self.query_grad_stages, num_warps=4,
         )
         return a_part.sum(0)
 

@@ -1,5 +1,5 @@
 """Per-call fused routing: `route_triton(sources, query, norm_weight, heads, eps)`, the "triton" backend of
-mhar_lit.routing.route. Same function as the reference, forward and backward, in Triton.
+mhar_lit.routing.route and the triton delta router. Same function as the reference, forward and backward, in Triton.
 
 Forward (one launch): full-row programs of several tokens each run the online softmax over the N rows,
 compute each row's RMS statistic once (kept, [N, P]) and write the output and the log-sum-exp [P, H].
@@ -11,85 +11,18 @@ the sources themselves.
 Both entries are torch.library custom ops (mhar_lit::route, mhar_lit::route_list, mhar_lit::route_backward)
 with fake implementations, so torch.compile traces each call as one op (fullgraph works) and AOT autograd
 sees its backward as another. Outside torch.compile the same implementations run under an autograd.Function
-instead: a custom op's dispatcher cost 17-63 us of host time per call on two H200 machines (2026-12-04,
-benchmarks/launch_overhead.py: 105.7 vs 88.8 and 132.8 vs 69.4 us for a tiny call), the Function path 3.6 us.
+instead: a custom op's dispatcher cost 17-63 us of host time per call on two H200 machines (2026-12-04: 105.7 vs
+88.8 and 132.8 vs 69.4 us for a tiny call), the Function path 3.6 us.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
-import triton.language as tl
 from torch import Tensor
 
-from mhar_lit.kernels import _routing_kernels as kern
-from mhar_lit.kernels.launch import launch
-
-STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-# Elements of one register tile; fixes tokens per program for a padded head width (see tile_tokens).
-TILE_ELEMENTS = 4096
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def check_device(*tensors: Tensor) -> None:
-    """CUDA tensors, or CPU tensors under the Triton interpreter; anything else is an error."""
-    for x in tensors:
-        if x.device.type == "cuda":
-            continue
-        if x.device.type == "cpu" and interpreting():
-            continue
-        raise RuntimeError(
-            f"triton routing needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before import), "
-            f"got a tensor on {x.device}"
-        )
-
-
-def check_storage_dtype(dtype: torch.dtype) -> None:
-    if dtype not in STORAGE_DTYPES:
-        raise TypeError(f"triton routing supports {STORAGE_DTYPES}, got {dtype}")
-
-
-def accumulator(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype]:
-    """(torch, triton) compute dtype: fp32 for every storage dtype up to fp32, fp64 for fp64 (gradcheck)."""
-    if dtype == torch.float64:
-        return torch.float64, tl.float64
-    return torch.float32, tl.float32
-
-
-def split_w(w_SD: Tensor, dtype: torch.dtype) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-    """w = q g (compute dtype) for kernels that load it as a full row tile in the rows' dtype, so that it
-    arrives in the register layout of the rows (a [H, K] fp32 load is converted into that layout through
-    shared memory, with two barriers, every time: _routing_kernels._site_w). With bf16 rows: w rounded to
-    hi + lo, hi = w in bf16 and lo = the rest in bf16 (16 significant bits, relative error <= 2^-17, far below
-    the rows' own rounding), returned as that rounded w and its parts (hi, lo), so that kernels that use w in
-    the compute dtype can use the same value. Otherwise (w, (w, w)), the same tensor twice: no second part.
-    (fp16 rows are not split: a w beyond fp16's range would become inf, and checking for that would make the
-    host wait for the GPU. Their kernels load the fp32 w, correct but converted as before.)"""
-    if dtype != torch.bfloat16:
-        w_SD = w_SD.contiguous()
-        return w_SD, (w_SD, w_SD)
-    hi = w_SD.to(dtype)
-    lo = (w_SD - hi.to(w_SD.dtype)).to(dtype)
-    return (hi.to(w_SD.dtype) + lo.to(w_SD.dtype)).contiguous(), (hi.contiguous(), lo.contiguous())
-
-
-def pow2(n: int) -> int:
-    return triton.next_power_of_2(max(1, n))
-
-
-def tile_tokens(row_elements: int, tile_elements: int = TILE_ELEMENTS, limit: int = 64) -> int:
-    """Tokens per program (a power of two, as tl.arange needs) so that tokens x row width is about
-    tile_elements."""
-    return pow2_floor(max(1, min(limit, tile_elements // row_elements)))
-
-
-def pow2_floor(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
+from mhar_lit.kernels import per_call
+from mhar_lit.kernels.host import accumulator, check_device, check_storage_dtype, pow2, tile_tokens
 
 
 def _launch_forward(rows_NPD: Tensor, w_1D: Tensor, heads: int, eps: float):
@@ -102,7 +35,7 @@ def _launch_forward(rows_NPD: Tensor, w_1D: Tensor, heads: int, eps: float):
     lse_PH = torch.empty(p, heads, dtype=acc_t, device=rows_NPD.device)
     out_PD = torch.empty(p, d, dtype=rows_NPD.dtype, device=rows_NPD.device)
     grid = (triton.cdiv(p, block_t),)
-    launch(kern._site_fwd_kernel, grid,
+    per_call._site_fwd_kernel[grid](
         rows_NPD, r_NP, w_1D, out_PD, lse_PH, n, p, d, heads, k, eps,
         BLOCK_T=block_t, H_P=h_p, K_P=k_p, ACC=acc_tl, num_warps=4,
     )
@@ -119,7 +52,7 @@ def _launch_backward(rows_NPD: Tensor, r_NP: Tensor, w_1D: Tensor, lse_PH: Tenso
     programs = triton.cdiv(p, block_t)
     dsrc_NPD = torch.empty_like(rows_NPD)
     a_part = torch.empty(programs, d, dtype=acc_t, device=rows_NPD.device)
-    launch(kern._site_bwd_kernel, (programs,),
+    per_call._site_bwd_kernel[(programs,)](
         rows_NPD, r_NP, w_1D, lse_PH, dout_PD, out_PD, dsrc_NPD, a_part, n, p, d, heads, k,
         BLOCK_T=block_t, H_P=h_p, K_P=k_p, ACC=acc_tl, num_warps=4,
     )

@@ -1,4 +1,6 @@
-"""The Triton routing callback: picks the routing backend, checks it once against the reference, logs it.
+"""The routing-backend callback: the one place a training run chooses the depth-routing backend. It picks the
+backend, sets it on the strategy (RoutedResidual.set_routing_backend), checks it once against the reference
+and logs it. Strategies take no backend argument, so nothing in the model config competes with this choice.
 
 backend="auto" uses the fused Triton kernels on CUDA and the PyTorch reference elsewhere. When Triton is
 selected, the first real training batch is run through both backends (no grad) and the logits compared;
@@ -43,15 +45,15 @@ def _timed_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torc
 def compare_backends(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[str, float]:
     """Relative max error of the Triton forward against the reference on `input_ids`, plus both times."""
     residual = model.residual
-    original = residual.backend
+    original = residual.routing_choice
     try:
         with torch.no_grad():
-            residual.backend = "torch"
+            residual.set_routing_backend("torch")
             ref, torch_ms = _timed_logits(model, input_ids)
-            residual.backend = "triton"
+            residual.set_routing_backend("triton", original[1] if original[0] == "triton" else None)
             out, triton_ms = _timed_logits(model, input_ids)
     finally:
-        residual.backend = original
+        residual.set_routing_backend(*original)
     rel = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
     result = {"rel_err": rel, "torch_forward_ms": torch_ms, "triton_forward_ms": triton_ms}
     nonfinite = tuple(name for name, logits in (("reference", ref), ("triton", out)) if not torch.isfinite(logits).all())
@@ -75,7 +77,7 @@ class RoutingBackend(L.Callback):
         backend: "auto" (Triton on CUDA, reference otherwise), "torch" or "triton".
         check: compare Triton with the reference on the first training batch.
         tolerance: maximum relative logit error (default: 5e-2 in bf16/fp16, 1e-4 in fp32); bf16 runs differ
-            by rounding order only, and the fused kernel is the more accurate of the two (SPEC I).
+            by rounding order only, and the fused kernel is the more accurate of the two (docs/method.md I).
         fallback: on a failed check, continue with the reference instead of raising.
         check_sequences: sequences of the first batch used for the check.
     """
@@ -105,7 +107,8 @@ class RoutingBackend(L.Callback):
         chosen = self.resolve(trainer.strategy.root_device)
         if chosen == "triton" and not triton_available():
             raise RuntimeError("routing backend 'triton' was requested but triton is not installed")
-        residual.backend = chosen
+        # a kernel config given in library code is kept where it applies (the same backend)
+        residual.set_routing_backend(chosen, residual.routing_choice[1] if chosen == residual.backend else None)
         self._pending_check = chosen == "triton" and self.check and stage == "fit"
         self.report = {"routing_backend": chosen}
         log.info("depth routing backend: %s", chosen)
@@ -140,7 +143,7 @@ class RoutingBackend(L.Callback):
             if not self.fallback:
                 raise RuntimeError(message + " (set routing_backend.fallback=true to continue on the reference)")
             log.warning("%s; falling back to the PyTorch reference as configured", message)
-            pl_module.model.residual.backend = "torch"
+            pl_module.model.residual.set_routing_backend("torch")
             self.report["routing_backend"] = "torch (fallback after failed check)"
         self._log(trainer)
 

@@ -1,14 +1,14 @@
 """Attention residuals over depth: single-head (Kimi, arXiv 2603.15031) and multi-head MHAR (Luo, Cai, Hu 2026).
 
-Full mode (SPEC B, C). No additive stream: every sublayer reads a learned softmax mixture of the embedding
-and all earlier raw sublayer outputs, per head slice:
+Full mode (docs/method.md B, C). No additive stream: every sublayer reads a learned softmax mixture of the
+embedding and all earlier raw sublayer outputs, per head slice:
 
     S_0 = embedding                       sources: S_0, S_1 = y_0, S_2 = y_1, ...
     x_s = route(S_0..S_s; q_s, g_s, H)    site s = 0 .. 2L-1 sees s+1 sources
     y_s = sublayer_s(norm(x_s));  S_{s+1} = y_s
     final: route(S_0..S_2L; q_2L, g_2L)   a (2L+1)-th site before the final norm
 
-Block mode (SPEC D, Kimi's Block AttnRes). Blocks of `layers_per_block` layers; inside a block the
+Block mode (docs/method.md D, Kimi's Block AttnRes). Blocks of `layers_per_block` layers; inside a block the
 outputs are summed into a partial p, across blocks the sublayers route over completed block sums:
 
     sources at a site = [embedding, B_1, ..., B_{n-1}] + ([p] if the block has produced anything)
@@ -16,39 +16,70 @@ outputs are summed into a partial p, across blocks the sublayers route over comp
 
 Every site s has a query q_s (zero-initialised: uniform mixing at init) and a key-norm weight g_s (ones),
 both of width d, so the method adds (2L+1) * 2d parameters whatever the number of heads H.
+
+The routing itself is a router of mhar_lit.routing (make_router): the strategies never look at the backend.
+It is "torch" (the reference) until set_routing_backend picks another (the RoutingBackend callback does, or
+library code).
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
 
 from mhar_lit.config import ModelConfig
-from mhar_lit.residual.base import ResidualStrategy, is_attention_site, layer_of, register_state_pytree
-from mhar_lit.routing import BACKENDS, block_mix, check_heads, merge_partial, route, routing_weights
+from mhar_lit.residual.base import ResidualStrategy
+from mhar_lit.routing import check_heads, make_router, routing_weights
 
 
 class RoutedResidual(ResidualStrategy):
-    """Shared machinery: per-site (query, key_norm) parameters and one routing call."""
+    """Shared machinery: per-site (query, key_norm) parameters and a router (`routing_mode`: "full", "block"
+    or "call"; see mhar_lit.routing)."""
 
-    def __init__(self, heads: int = 8, backend: str = "torch", random_query_init: bool = False,
-                 eps: float = 1e-6) -> None:
+    routing_mode = "full"
+
+    def __init__(self, heads: int = 8, random_query_init: bool = False, eps: float = 1e-6) -> None:
         super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown routing backend {backend!r}; expected one of {BACKENDS}")
         if heads < 1:
             raise ValueError(f"heads must be >= 1, got {heads}")
         self.heads = heads
-        self.backend = backend
         self.random_query_init = random_query_init
         self.eps = eps
         self.record_weights = False
         self.recorded: dict[int, Tensor] = {}
+        # called with (site, sources [N, B, T, D], detached) at every routing site (mhar_lit.analysis.capture)
+        self.source_observer: Optional[Callable[[int, Tensor], None]] = None
+        self._routing_choice: tuple[str, Optional[Mapping]] = ("torch", None)
+        self._router = None
+
+    def set_routing_backend(self, backend: str, kernel_config: Optional[Mapping | Any] = None) -> None:
+        """Route with `backend` ("torch" or "triton") from now on; kernel_config: the triton router's kernel
+        tuning (a FullRoutingConfig / BlockRoutingConfig or a mapping of its fields; None: measured defaults)."""
+        router = make_router(self.routing_mode, backend, self.heads, self.eps, kernel_config=kernel_config,
+                             **self.router_options())
+        self._routing_choice, self._router = (backend, kernel_config), router
+
+    @property
+    def backend(self) -> str:
+        """The routing backend in use ("torch" until set_routing_backend picks another)."""
+        return self._routing_choice[0]
+
+    @property
+    def routing_choice(self) -> tuple[str, Optional[Mapping | Any]]:
+        """(backend, kernel_config) as last given to set_routing_backend."""
+        return self._routing_choice
+
+    @property
+    def router(self):
+        if self._router is None:
+            self.set_routing_backend(*self._routing_choice)
+        return self._router
+
+    def router_options(self) -> dict:
+        """Mode options of this strategy's router (block mode: span, two_phase)."""
+        return {}
 
     def num_routing_sites(self, config: ModelConfig) -> int:
         return 2 * config.num_layers + 1
@@ -70,17 +101,36 @@ class RoutedResidual(ResidualStrategy):
     def no_decay_parameter_names(self) -> set[str]:
         return {"key_norm"}
 
-    def route_sources(self, sources: list[Tensor], site: int) -> Tensor:
-        if self.backend == "triton":  # the stack is rebuilt in the backward, not saved (route_triton_list)
-            from mhar_lit.kernels.routing_triton import route_triton_list
+    # ---- full and block mode: the router keeps the depth state
+    def begin(self, embedding: Tensor) -> Any:
+        return self.router.begin(embedding, self.query, self.key_norm)
 
-            if self.record_weights:
-                self.record(torch.stack(sources), site)
-            return route_triton_list(sources, self.query[site], self.key_norm[site], self.heads, self.eps)
-        stacked = torch.stack(sources) if len(sources) > 1 else sources[0].unsqueeze(0)
+    def sublayer_input(self, state: Any, site: int) -> Tensor:
+        return self.route_site(state, site)
+
+    def sublayer_output(self, state: Any, site: int, output: Tensor) -> Any:
+        return self.router.add(state, output)
+
+    def final(self, state: Any) -> Tensor:
+        return self.route_site(state, self.final_site)
+
+    def route_site(self, state: Any, site: int) -> Tensor:
+        mixed = self.router.route(state, site)
+        if self.record_weights or self.source_observer is not None:
+            self._observe(self.router.sources(state, site), site)
+        return mixed
+
+    # ---- call mode (delta): one routing call over a list of sources
+    def route_sources(self, sources: list[Tensor], site: int) -> Tensor:
+        if self.record_weights or self.source_observer is not None:
+            self._observe(torch.stack(sources) if len(sources) > 1 else sources[0].unsqueeze(0), site)
+        return self.router.route(sources, self.query[site], self.key_norm[site])
+
+    def _observe(self, sources_NBTD: Tensor, site: int) -> None:
+        if self.source_observer is not None:
+            self.source_observer(site, sources_NBTD.detach())
         if self.record_weights:
-            self.record(stacked, site)
-        return route(stacked, self.query[site], self.key_norm[site], self.heads, self.eps, self.backend)
+            self.record(sources_NBTD, site)
 
     @torch.no_grad()
     def record(self, sources_NBTD: Tensor, site: int) -> None:
@@ -93,101 +143,13 @@ class RoutedResidual(ResidualStrategy):
         return 2 * self.model_config.num_layers
 
 
-@dataclass(eq=False)
-class _TritonState:
-    """Depth state on the triton backend (FullAttnRes, BlockAttnRes): the routing object of this forward pass
-    (one shared row buffer: mhar_lit.kernels.full_routing / block_routing) and the tensor the next site brings. A dataclass
-    (and a pytree node) so that module-output hooks such as FSDP's find its tensor."""
-
-    routing: Any
-    pending: Optional[Tensor]
-    count: int = 1  # sources produced so far
-
-
-register_state_pytree(_TritonState, ("pending",), ("routing", "count"))
-
-
 class FullAttnRes(RoutedResidual):
     """Full attention residuals over the embedding and every raw sublayer output. heads=1: single-head.
 
-    backend="triton" routes through mhar_lit.kernels.full_routing.FullRouting (chunked cross-site reuse):
-    `triton_chunk` sites share one forward prefix pass, `triton_group` sources one backward suffix pass (None:
-    FullRouting's measured defaults: DEFAULT_CHUNK and balanced groups of at most DEFAULT_GROUP).
-    That path needs every site exactly once per forward pass and the backward in reverse order; activation
-    checkpointing that recomputes routing raises a RuntimeError (checkpointing sublayers is fine).
-    `triton_options` are further FullRouting keywords (kernel versions and tiles, e.g. suffix_impl="fma").
+    On the triton backend the router needs every site exactly once per forward pass and the backward in
+    reverse order (mhar_lit.routing); activation checkpointing that recomputes routing raises a RuntimeError
+    there (checkpointing sublayers is fine).
     """
-
-    def __init__(self, heads: int = 8, backend: str = "torch", random_query_init: bool = False,
-                 eps: float = 1e-6, triton_chunk: Optional[int] = None, triton_group: Optional[int] = None,
-                 triton_options: Optional[dict] = None) -> None:
-        super().__init__(heads=heads, backend=backend, random_query_init=random_query_init, eps=eps)
-        self.triton_chunk = triton_chunk
-        self.triton_group = triton_group
-        self.triton_options = dict(triton_options or {})
-
-    def begin(self, embedding: Tensor) -> list[Tensor]:
-        if self.backend == "triton":
-            return self._triton_begin(embedding)
-        return [embedding]
-
-    def sublayer_input(self, state: list[Tensor], site: int) -> Tensor:
-        if isinstance(state, _TritonState):
-            return self._triton_route(state, site)
-        if len(state) != site + 1:
-            raise RuntimeError(f"site {site} expected {site + 1} sources, found {len(state)}")
-        return self.route_sources(state, site)
-
-    def sublayer_output(self, state: list[Tensor], site: int, output: Tensor) -> list[Tensor]:
-        if isinstance(state, _TritonState):
-            state.pending, state.count = output, state.count + 1
-            return state
-        state.append(output)
-        return state
-
-    def final(self, state: list[Tensor]) -> Tensor:
-        if isinstance(state, _TritonState):
-            return self._triton_route(state, self.final_site)
-        return self.route_sources(state, self.final_site)
-
-    # ---- triton path (chunked full-mode routing; the torch path above is unchanged)
-    def _triton_begin(self, embedding: Tensor) -> _TritonState:
-        from mhar_lit.kernels.full_routing import FullRouting
-
-        sizes = {k: v for k, v in (("chunk", self.triton_chunk), ("group", self.triton_group)) if v is not None}
-        routing = FullRouting(embedding, self.query, self.key_norm, self.heads, self.eps, **sizes,
-                              **self.triton_options)
-        return _TritonState(routing, embedding, 1)
-
-    def _triton_route(self, state: _TritonState, site: int) -> Tensor:
-        if state.count != site + 1 or state.pending is None:
-            raise RuntimeError(f"site {site} expected {site + 1} sources, found {state.count}")
-        params = (self.query, self.key_norm) if site == 0 else (None, None)
-        # Under autocast (bf16-mixed) the embedding is fp32 and sublayer outputs are bf16: the shared buffer
-        # keeps the embedding's dtype and later sources are cast into it (exact for bf16 -> fp32).
-        pending = state.pending.to(state.routing.dtype)
-        mixed = state.routing.route(site, pending, *params)
-        state.pending = None
-        if self.record_weights:
-            self.record(state.routing.sources_view(site + 1), site)
-        return mixed
-
-
-@dataclass(eq=False)
-class _BlockState:
-    """Completed block sums (the embedding first) and the running partial sum of the current block; with
-    two_phase, the block's phase-1 softmax state (m, l, o of routing.block_mix) and its first site."""
-
-    blocks: list[Tensor]
-    partial: Optional[Tensor] = None
-    mix: Optional[tuple[Tensor, Tensor, Tensor]] = None
-    mix_site: int = 0
-
-    def sources(self) -> list[Tensor]:
-        return self.blocks + ([self.partial] if self.partial is not None else [])
-
-
-register_state_pytree(_BlockState, ("blocks", "partial", "mix"), ("mix_site",))
 
 
 class BlockAttnRes(RoutedResidual):
@@ -196,30 +158,31 @@ class BlockAttnRes(RoutedResidual):
     Blocks are counted in transformer layers and must tile the depth exactly (no ceil rule): a depth that
     is not a multiple of `layers_per_block` is a ValueError naming both numbers.
 
-    backend="triton" routes through mhar_lit.kernels.block_routing.BlockRouting (one shared row buffer that
-    also forms the partial sums; one launch per site and pass); the order contract of FullAttnRes applies.
-    triton_shared_buffer=False keeps the per-call kernel over a stack of the sources per site (for
-    comparison; it allows checkpointing that recomputes routing).
-
-    two_phase=True (torch backend) computes the same routing as Kimi's two-phase refactoring (SPEC D): at a
-    block's first site every site of the block is scored against the completed blocks at once (each block
-    normalised and read once per block, not once per site), and each site then merges that softmax state with
-    the block's partial sum. Equal to the direct routing up to fp32 rounding order and keeping fewer bytes for
-    the backward on the PyTorch backend; faster on CPU (benchmarks/results/cpu_two_phase_2026-12-05) and on the
-    H200 at 100M / 350M, slower there at 1B (block_routing.md, session 15). The triton
+    two_phase=True computes the same routing as Kimi's two-phase refactoring on the torch backend (see
+    mhar_lit.routing.torch_routers.BlockRouter; measured in benchmarks/results/block_routing.md); the triton
     backend has its own fused schedule and ignores it (with a warning).
     """
 
-    def __init__(self, heads: int = 8, layers_per_block: int = 2, backend: str = "torch",
-                 random_query_init: bool = False, eps: float = 1e-6, triton_shared_buffer: bool = True,
-                 triton_options: Optional[dict] = None, two_phase: bool = False) -> None:
-        super().__init__(heads=heads, backend=backend, random_query_init=random_query_init, eps=eps)
+    routing_mode = "block"
+
+    def __init__(self, heads: int = 8, layers_per_block: int = 2, random_query_init: bool = False,
+                 eps: float = 1e-6, two_phase: bool = False) -> None:
+        super().__init__(heads=heads, random_query_init=random_query_init, eps=eps)
         if layers_per_block < 1:
             raise ValueError(f"layers_per_block must be >= 1, got {layers_per_block}")
         self.layers_per_block = layers_per_block
-        self.two_phase = two_phase  # SPEC D's two-phase computation on the torch backend
-        self.triton_shared_buffer = triton_shared_buffer  # False: the per-call kernel on stacked sources
-        self.triton_options = dict(triton_options or {})  # BlockRouting keywords (tiles, warps, stages)
+        self._two_phase = two_phase
+
+    @property
+    def two_phase(self) -> bool:
+        return self._two_phase
+
+    @two_phase.setter
+    def two_phase(self, value: bool) -> None:
+        self._two_phase, self._router = value, None  # the router is made again with the new option
+
+    def router_options(self) -> dict:
+        return {"span": 2 * self.layers_per_block, "two_phase": self.two_phase}
 
     def build(self, config: ModelConfig) -> None:
         if config.num_layers % self.layers_per_block != 0:
@@ -227,75 +190,3 @@ class BlockAttnRes(RoutedResidual):
                 f"num_layers {config.num_layers} is not divisible by layers_per_block {self.layers_per_block}"
             )
         super().build(config)
-
-    def begin(self, embedding: Tensor) -> _BlockState:
-        if self.backend == "triton" and self.two_phase and not getattr(self, "_warned_two_phase", False):
-            self._warned_two_phase = True
-            warnings.warn("BlockAttnRes(two_phase=True) applies to the torch backend; the triton backend routes "
-                          "with its fused kernels", stacklevel=2)
-        if self.backend == "triton" and self.triton_shared_buffer:
-            from mhar_lit.kernels.block_routing import BlockRouting
-
-            routing = BlockRouting(embedding, self.query, self.key_norm, self.heads,
-                                   span=2 * self.layers_per_block, eps=self.eps, **self.triton_options)
-            return _TritonState(routing, embedding, 1)
-        return _BlockState([embedding])
-
-    def sublayer_input(self, state: _BlockState, site: int) -> Tensor:
-        if isinstance(state, _TritonState):
-            return self._triton_route(state, site)
-        layer = layer_of(site)
-        block_start = is_attention_site(site) and layer % self.layers_per_block == 0
-        if block_start and layer > 0:
-            state.blocks.append(state.partial)  # the previous block is complete
-            state.partial = None
-        if self.two_phase and self.backend == "torch":
-            if block_start:
-                self._score_block(state, site)
-            return self._merge(state, site)
-        return self.route_sources(state.sources(), site)
-
-    def sublayer_output(self, state: _BlockState, site: int, output: Tensor) -> _BlockState:
-        if isinstance(state, _TritonState):  # the kernel adds it into the block's partial sum
-            state.pending, state.count = output, state.count + 1
-            return state
-        state.partial = output if state.partial is None else state.partial + output
-        return state
-
-    def final(self, state: _BlockState) -> Tensor:
-        if isinstance(state, _TritonState):
-            return self._triton_route(state, self.final_site)
-        if self.two_phase and self.backend == "torch":
-            return self._merge(state, self.final_site)
-        return self.route_sources(state.sources(), self.final_site)
-
-    def _score_block(self, state: _BlockState, site: int) -> None:
-        """Phase 1 at a block's first site: its sites (and the final site after the last block) are contiguous."""
-        count = 2 * self.layers_per_block + (site + 2 * self.layers_per_block == self.final_site)
-        sites = slice(site, site + count)
-        # torch.stack promotes mixed dtypes (fp32 embedding, bf16 sublayer outputs under autocast) as the direct
-        # routing's stack does, so keys are rounded to the same dtype on both paths
-        state.mix = block_mix(torch.stack(state.blocks), self.query[sites], self.key_norm[sites], self.heads, self.eps)
-        state.mix_site = site
-
-    def _merge(self, state: _BlockState, site: int) -> Tensor:
-        """Phase 2: the site's softmax state over the completed blocks merged with the block's partial sum."""
-        sources = state.sources()
-        if self.record_weights:
-            self.record(torch.stack(sources), site)
-        m, l, o = (x[site - state.mix_site] for x in state.mix)  # noqa: E741
-        dtype = functools.reduce(torch.promote_types, (x.dtype for x in sources))  # as the direct routing's stack
-        if state.partial is None:
-            return o.to(dtype)
-        return merge_partial(m, l, o, state.partial.to(dtype), self.query[site], self.key_norm[site], self.heads,
-                             self.eps).to(dtype)
-
-    def _triton_route(self, state: _TritonState, site: int) -> Tensor:
-        if state.count != site + 1 or state.pending is None:
-            raise RuntimeError(f"site {site} expected {site + 1} sublayer inputs, found {state.count}")
-        params = (self.query, self.key_norm) if site == 0 else (None, None)
-        mixed = state.routing.route(site, state.pending, *params)
-        state.pending = None
-        if self.record_weights:
-            self.record(state.routing.sources_view(site), site)
-        return mixed

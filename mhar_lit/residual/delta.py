@@ -1,4 +1,4 @@
-"""Delta attention residuals: identity-preserving MHAR for converting pretrained models (SPEC E).
+"""Delta attention residuals: identity-preserving MHAR for converting pretrained models (docs/method.md E).
 
 The additive stream h stays intact; routing only changes what each sublayer reads, through a scalar
 gate a_s per site that starts at 0, so the converted model is bit-for-bit the pretrained one at init:
@@ -14,7 +14,7 @@ gate a_s per site that starts at 0, so the converted model is bit-for-bit the pr
 The delta of a block is appended after the block-start layer's attention has routed, so that site sees
 one source fewer than its MLP site; layer-0 attention sees only the null source. With L = 32, P = 4 a site
 sees at most 8 deltas + null = 9 sources. `legacy_block_delta=True` reproduces the authors' released
-bookkeeping (e_j = h - e_{j-1}, telescoping mixtures, SPEC J4) for evaluating their checkpoint.
+bookkeeping (e_j = h - e_{j-1}, telescoping mixtures, docs/method.md J4) for evaluating their checkpoint.
 
 Identity comes from a_s = 0 alone (not from the null source): q, g and z get zero gradient at step 0,
 a_s gets <dL/dx_s, mix_s>. Parameters per layer: q, g, z of width d for 2 sites plus 2 gates = 6d + 2.
@@ -49,11 +49,14 @@ register_state_pytree(_DeltaState, ("stream", "deltas", "previous"))
 
 
 class DeltaAttnRes(RoutedResidual):
-    """Gated MHAR over a null source and block deltas, added to the untouched residual stream."""
+    """Gated MHAR over a null source and block deltas, added to the untouched residual stream (a "call"
+    router: one routing call per site over the listed sources)."""
+
+    routing_mode = "call"
 
     def __init__(self, heads: int = 8, layers_per_block: int = 4, null_source: bool = True,
-                 legacy_block_delta: bool = False, backend: str = "torch", eps: float = 1e-6) -> None:
-        super().__init__(heads=heads, backend=backend, random_query_init=False, eps=eps)
+                 legacy_block_delta: bool = False, eps: float = 1e-6) -> None:
+        super().__init__(heads=heads, random_query_init=False, eps=eps)
         if layers_per_block < 1:
             raise ValueError(f"layers_per_block must be >= 1, got {layers_per_block}")
         self.layers_per_block = layers_per_block

@@ -74,7 +74,7 @@ def full_mode_output_and_grads(kind, emb, q, g, mats, dout, heads, dtype, chunk=
     else:
         from mhar_lit.kernels.full_routing import FullRouting  # needs triton; the helpers do not
 
-        routing = FullRouting(e, qq, gg, heads, chunk=chunk, group=group, **knobs)
+        routing = FullRouting(e, qq, gg, heads, config=dict(chunk=chunk, group=group, **knobs))
 
         def site_fn(s, sources):
             params = (qq, gg) if s == 0 else (None, None)
@@ -158,7 +158,7 @@ def block_mode_output_and_grads(kind, emb, q, g, mats, dout, heads, span, dtype,
     else:
         from mhar_lit.kernels.block_routing import BlockRouting  # needs triton; the helpers do not
 
-        routing = BlockRouting(e, qq, gg, heads, span, **knobs)
+        routing = BlockRouting(e, qq, gg, heads, span, config=knobs)
         site_fn = lambda s, new: routing.route(s, new, *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
     outputs = []
     loss = block_stack_loss(site_fn, e, mats, dout, outputs)

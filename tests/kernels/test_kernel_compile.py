@@ -17,12 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.parametrize("args", [
     ["--dtype", "bf16"],
     ["--dtype", "fp32"],  # the fp32-storage paths (tf32x3 products)
-    ["--dtype", "bf16", "prefix_impl=fma", "suffix_impl=fma", "suffix_unroll=4"],
-    # the full-row column kernel with and without a suffix pass (the "dot" suffix with its key path; the fma
-    # suffix, whose key path the row kernel's loop adds), and the software-pipelined prefix loop
+    # the full-row column kernel with and without a suffix pass (the suffix with its key path), and the
+    # software-pipelined prefix loop
     ["--dtype", "bf16", "column_impl=row", "group=8", "prefix_stages=3"],
     ["--dtype", "fp32", "column_impl=row", "group=8", "prefix_stages=3"],
-    ["--dtype", "bf16", "column_impl=row", "group=8", "suffix_impl=fma"],
 ])
 def test_full_routing_kernels_compile_for_sm90(args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -33,13 +31,10 @@ def test_full_routing_kernels_compile_for_sm90(args):
     if "column_impl=row" in args:
         rows = [line for line in done.stdout.splitlines() if "_column_row_bwd_kernel" in line]
         assert {"'HAS_SUFFIX': True" in line for line in rows} == {True, False}, done.stdout
-        if "suffix_impl=fma" in args:
-            assert all("'SUFFIX_KEYS': False" in line for line in rows), done.stdout
-        else:
-            suffix = [line for line in done.stdout.splitlines() if "_suffix_dot_bwd_kernel" in line]
-            assert suffix and all("'KEYPATH': True" in line for line in suffix), done.stdout
-            prefix = [line for line in done.stdout.splitlines() if "_prefix_fwd_kernel" in line]
-            assert prefix and all("'STAGES': 3" in line and "async copies 0" not in line for line in prefix), done.stdout
+        suffix = [line for line in done.stdout.splitlines() if "_suffix_dot_bwd_kernel" in line]
+        assert suffix and all("'KEYPATH': True" in line for line in suffix), done.stdout
+        prefix = [line for line in done.stdout.splitlines() if "_prefix_fwd_kernel" in line]
+        assert prefix and all("'STAGES': 3" in line and "async copies 0" not in line for line in prefix), done.stdout
 
 
 @pytest.mark.parametrize("dtype,knobs", [("bf16", []), ("fp32", ["unroll=2"])])

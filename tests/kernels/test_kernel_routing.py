@@ -68,8 +68,8 @@ LOW_DRAWS = 16
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_within_reference_rounding_error(dtype):
     """Per draw, out and d_sources within 2x the low-precision reference's error + 1e-3. d_query and d_norm_weight
-    sum terms over tokens that cancel 45-70x on bad draws, so one draw's error is noisy for both (a session-15
-    helper measured 904 bf16 draws: the kernel's RMS error 1.2x the reference's, single draws over 2x + 1e-3 on
+    sum terms over tokens that cancel 45-70x on bad draws, so one draw's error is noisy for both (904 bf16
+    draws: the kernel's RMS error 1.2x the reference's, single draws over 2x + 1e-3 on
     0.9%, seeds 274218, 361327, 8215114, ...). They are held to that bound on the RMS over LOW_DRAWS fresh draws,
     with a per-draw guard against gross errors at 5x + 2e-3 (the largest of those 904: ~2.7x + 1.3e-3)."""
     gen = fresh_generator()

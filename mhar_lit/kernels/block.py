@@ -1,4 +1,4 @@
-"""Triton kernels of block-mode routing with a shared row buffer (block_routing.py; SPEC D).
+"""Triton kernels of block-mode routing with a shared row buffer (block_routing.py; docs/method.md D).
 
 Rows. Site s (0..n-1, n = 2L+1) creates row R_s of the buffer rows[n, P, D] (storage dtype):
     R_0 = embedding;  R_s = y_{s-1} + (R_{s-1} if site s-1 does not start a block else 0)
@@ -14,18 +14,20 @@ contains R_s. That gradient is the dsrc the next site returned (the gradient of 
 read back in the storage dtype: the chain through the partial sum is rounded at every step, as in the PyTorch
 reference's own autograd (exact with fp32 storage). The finished total is the gradient of y_{s-1}. The block
 pass forms every pair of a block row with the block's sites and adds them into the fp32 block-row gradients
-G[j]. Pair math as in _routing_kernels (module docstring).
+G[j]. Pair math: common.py.
 """
+
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from mhar_lit.kernels._routing_kernels import (_dl_buffer, _dout_rows, _full_row_tile, _full_row_tile_at,
-                                               _keep_dl, _online_update, _pair_grads, _pair_grads_per_head,
-                                               _query_grad_kr, _query_grad_row, _query_grad_store, _query_grad_tile,
-                                               _rsqrt_mean_square, _site_w, _to_storage)
+from mhar_lit.kernels.common import (_dout_rows, _full_row_tile, _full_row_tile_at, _online_update, _pair_grads,
+                                     _pair_grads_per_head, _query_grad_kr, _query_grad_row, _query_grad_store,
+                                     _query_grad_tile, _rsqrt_mean_square, _site_w, _to_storage)
+
+
 
 
 @triton.jit(do_not_specialize=["site", "n_blk", "span", "add_prev"])
@@ -86,7 +88,7 @@ def _online_update_if(v, r, valid, w_HK, m, l, acc, store_ty: tl.constexpr):
     return m_new, l * scale + p, acc * scale[:, :, None] + p[:, :, None] * v
 
 
-# ---- backward. Per site (reverse order) a light site kernel: S = <dout, out> per head into the block's S table,
+# Backward. Per site (reverse order) a light site kernel: S = <dout, out> per head into the block's S table,
 # the site's dout address into the block's dout table (the tensor autograd delivered, kept by BlockRouting: no
 # copy), and, where its own row is a partial sum, that row finished at once (the pair, plus the chain). Per
 # block, at its first site, one pass over the block rows j <= k: each row is read once per block and paired
@@ -139,11 +141,10 @@ def _block_site_bwd_kernel(
 
 @triton.jit(do_not_specialize=["block", "s_lo", "n_slots", "span"])
 def _block_pass_bwd_kernel(
-    rows_ptr, r_ptr, w_ptr, w_lo_ptr, lse_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, g_ptr, dsrc_ptr,
+    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, g_ptr, dsrc_ptr,
     block, s_lo, n_slots, span, NB, P, D, H, K,
     LAST: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
-    SLOT_UNROLL: tl.constexpr, STAGES: tl.constexpr, W_TILE: tl.constexpr, SPLIT_W: tl.constexpr,
-    SLOTS_P: tl.constexpr,
+    SLOT_UNROLL: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Block `block` (sites s_lo .. s_lo + n_slots - 1: their douts in dout_ptrs[0 .. n_slots), their S in
     S[0 .. n_slots)) is done. One program per token tile and block row j <= block (buffer row j * span; j
@@ -151,13 +152,7 @@ def _block_pass_bwd_kernel(
     pairs with every site of the block (each pair's dl into the dl table), summed with the coupling into G[j]
     for j < block (LAST: the last block initialises G), and for j = block into dsrc with G[block]: that row is
     finished. (Its row R_{s_lo + 1} does not contain it, so no chain comes in; the site before reads this dsrc
-    as its chain.) SLOT_UNROLL = 2: two sites' loads issued together.
-
-    Shared memory in the site loop (sm_90 TTGIR and SASS, 2026-12-05): by default two layout conversions per
-    site, each with two barriers: the [H_P, K_P] fp32 w into the rows' layout, and every [BLOCK_T, H_P] dl into
-    the layout of its store. Two options remove them (BlockRouting's pass_w_tile, pass_dl_buffer): W_TILE
-    loads w as a full tile in the rows' dtype (_site_w); SLOTS_P > 0 (a power of two >= the block's sites)
-    keeps the dl in registers, [BLOCK_T, H_P, SLOTS_P], stored once after the loop."""
+    as its chain.) SLOT_UNROLL = 2: two sites' loads issued together."""
     j = tl.program_id(0) % (block + 1)
     offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile_at(
         tl.program_id(0) // (block + 1), P, D, H, K, BLOCK_T, H_P, K_P)
@@ -167,31 +162,24 @@ def _block_pass_bwd_kernel(
     v = tl.load(rows_ptr + j * span * row_stride + tile, mask=mask, other=0.0).to(ACC)
     r = tl.load(r_ptr + j * span * P + offs_t, mask=mask_t, other=0.0)
     kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
-    col = tl.broadcast_to(col_HK[None, :, :], (BLOCK_T, H_P, K_P))  # w's offsets as a full tile
     dv = tl.zeros([BLOCK_T, H_P, K_P], ACC)
     c = tl.zeros([BLOCK_T, H_P], ACC)  # per head; summed over the heads once, after the loop
-    slots, dls = _dl_buffer(BLOCK_T, H_P, SLOTS_P, ACC)  # every pair's dl, stored after the loop (SLOTS_P > 0)
     for slot in tl.range(0, n_slots, SLOT_UNROLL, num_stages=STAGES):
-        dout, S, lse, w = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, w_lo_ptr, slot, s_lo,
-                                            slot < n_slots, tile, mask, th, mask_th, col, col_HK, mask_hk, P, D,
-                                            H, store_ty, ACC, W_TILE, SPLIT_W)
+        dout, S, lse, w = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot, s_lo, slot < n_slots,
+                                            tile, mask, th, mask_th, col_HK, mask_hk, P, D, H, store_ty, ACC)
         if SLOT_UNROLL == 2:  # the second site's loads before the first's math; a site past the end adds 0
-            dout2, S2, lse2, w2 = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, w_lo_ptr, slot + 1, s_lo,
-                                                    slot + 1 < n_slots, tile, mask, th, mask_th, col, col_HK,
-                                                    mask_hk, P, D, H, store_ty, ACC, W_TILE, SPLIT_W)
+            dout2, S2, lse2, w2 = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot + 1, s_lo,
+                                                    slot + 1 < n_slots, tile, mask, th, mask_th, col_HK, mask_hk,
+                                                    P, D, H, store_ty, ACC)
         dv_s, dl, c_s = _pair_grads_per_head(v, kr, r, dout, w, lse, S)
         dv += dv_s
         c += c_s
-        dls = _keep_dl(dls, slots, slot, dl, dl_ptr + _dl_offsets(s_lo + slot, j, NB, P, H, zth), mask_th, SLOTS_P)
+        tl.store(dl_ptr + _dl_offsets(s_lo + slot, j, NB, P, H, zth), dl, mask=mask_th)
         if SLOT_UNROLL == 2:
             dv_s, dl, c_s = _pair_grads_per_head(v, kr, r, dout2, w2, lse2, S2)
             dv += dv_s
             c += c_s
-            dls = _keep_dl(dls, slots, slot + 1, dl, dl_ptr + _dl_offsets(s_lo + slot + 1, j, NB, P, H, zth),
-                           mask_th & (slot + 1 < n_slots), SLOTS_P)
-    if SLOTS_P > 0:  # slot i is the site s_lo + i
-        tl.store(dl_ptr + _dl_offsets(s_lo + slots, j, NB, P, H, zth[:, :, None]), dls,
-                 mask=mask_th[:, :, None] & (slots < n_slots))
+            tl.store(dl_ptr + _dl_offsets(s_lo + slot + 1, j, NB, P, H, zth), dl, mask=mask_th & (slot + 1 < n_slots))
     dv -= (r * r * tl.sum(c, axis=1) / D)[:, None, None] * v
     if not LAST:
         dv += tl.load(g_ptr + j * row_stride + tile, mask=mask, other=0.0)
@@ -200,15 +188,14 @@ def _block_pass_bwd_kernel(
 
 
 @triton.jit
-def _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, w_lo_ptr, slot, s_lo, ok, tile, mask, th, mask_th,
-                      col, col_HK, mask_hk, P, D, H, store_ty: tl.constexpr, ACC: tl.constexpr,
-                      W_TILE: tl.constexpr, SPLIT_W: tl.constexpr):
+def _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot, s_lo, ok, tile, mask, th, mask_th, col_HK, mask_hk,
+                      P, D, H, store_ty: tl.constexpr, ACC: tl.constexpr):
     """dout, S, lse and w (_site_w) of the block's site `slot`; where not ok (past the block's end)
     dout = S = 0 and lse = +inf, so that its pair is exactly zero (alpha = 0, dl = 0)."""
     dout = tl.load(_dout_rows(dout_ptrs_ptr, slot, ok, store_ty) + tile, mask=mask & ok, other=0.0).to(ACC)
     S = tl.load(S_ptr + slot * P * H + th, mask=mask_th & ok, other=0.0)
     lse = tl.load(lse_ptr + (s_lo + slot) * P * H + th, mask=mask_th & ok, other=float("inf"))
-    w = _site_w(w_ptr, w_lo_ptr, (s_lo + slot) * D, col, mask & ok, col_HK, mask_hk & ok, ACC, W_TILE, SPLIT_W)
+    w = _site_w(w_ptr, (s_lo + slot) * D, col_HK, mask_hk & ok, ACC)
     return dout, S, lse, w
 
 

@@ -1,7 +1,7 @@
-"""Depth routing: the one op every attention-residual strategy calls.
+"""The PyTorch reference of depth routing: the math every kernel is tested against.
 
 route(sources, query, norm_weight, heads) mixes N source rows per position with H independent softmaxes
-over depth (SPEC sections B and C):
+over depth (docs/method.md B and C):
 
     k_n        = round_storage(S_n * r(S_n)) * g          r = rsqrt(mean_d S_n^2 + eps), over the FULL width d
     logit[n,h] = < q_[h], k_n,[h] >                         no temperature
@@ -11,17 +11,12 @@ over depth (SPEC sections B and C):
 Logits, softmax and accumulation run in fp32 (or fp64 for fp64 inputs) whatever the storage dtype; the
 result is cast back to the storage dtype. H = 1 is single-head attention residuals (Kimi).
 
-Backends: "torch" (this file, the reference every kernel is tested against) and "triton" (the fused
-kernels in mhar_lit.kernels, imported lazily so `import mhar_lit` never needs triton).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-
-BACKENDS = ("torch", "triton")
-
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for every storage dtype below fp32, fp64 stays fp64 (for gradcheck)."""
@@ -35,7 +30,7 @@ def check_heads(width: int, heads: int) -> None:
         raise ValueError(f"hidden size {width} is not divisible by the number of routing heads {heads}")
 
 
-def _check_route_args(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int) -> None:
+def check_route_args(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int) -> None:
     if sources.dim() != 4:
         raise ValueError(f"sources must be [N, B, T, D], got shape {tuple(sources.shape)}")
     if sources.shape[0] < 1:
@@ -72,7 +67,7 @@ def routing_logits(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: i
 
 def routing_weights(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
     """Softmax-over-depth weights alpha [N, B, T, H] (compute dtype); used by monitors and the probe."""
-    _check_route_args(sources, query, norm_weight, heads)
+    check_route_args(sources, query, norm_weight, heads)
     return routing_logits(sources, query, norm_weight, heads, eps).softmax(dim=0)
 
 
@@ -87,11 +82,11 @@ def route_reference(sources: Tensor, query: Tensor, norm_weight: Tensor, heads: 
 
 def block_mix(blocks: Tensor, queries: Tensor, norm_weights: Tensor, heads: int, eps: float = 1e-6
               ) -> tuple[Tensor, Tensor, Tensor]:
-    """Phase 1 of Kimi's two-phase block routing (SPEC D): every site of a block against its completed blocks.
+    """Phase 1 of Kimi's two-phase block routing (docs/method.md D): every site of a block against its completed blocks.
 
     blocks [K, B, T, D] (the embedding and the completed block sums), queries and norm_weights [S, D] of the
     block's S sites. Each completed block is normalised once (not once per site) and the sites' g is folded into
-    q (w = q g; exact up to fp32 rounding order, SPEC J15). Returns, per site and head, the softmax state over
+    q (w = q g; exact up to fp32 rounding order, docs/method.md J15). Returns, per site and head, the softmax state over
     the completed blocks: max m [S, B, T, H], sum of exponentials l [S, B, T, H] and the normalised mix
     o [S, B, T, D], all in the compute dtype (fp32 for bf16 storage).
     """
@@ -115,7 +110,7 @@ def _block_mix(blocks: Tensor, queries: Tensor, norm_weights: Tensor, heads: int
 
 def merge_partial(m: Tensor, l: Tensor, o: Tensor, partial: Tensor, query: Tensor, norm_weight: Tensor,  # noqa: E741
                   heads: int, eps: float = 1e-6) -> Tensor:
-    """Phase 2 (SPEC D): one site's mix over the completed blocks (m, l, o [B, T, H / D] of block_mix) merged
+    """Phase 2 (docs/method.md D): one site's mix over the completed blocks (m, l, o [B, T, H / D] of block_mix) merged
     with the block's partial sum p [B, T, D] by the online-softmax rule, per head; returns [B, T, D] in the
     compute dtype (the caller casts to the storage dtype once).
 
@@ -137,26 +132,3 @@ def _merge_partial(m: Tensor, l: Tensor, o: Tensor, partial: Tensor, query: Tens
     values = partial.to(normed.dtype).view(b, t, heads, d // heads)
     mixed = (old.unsqueeze(-1) * o.view(b, t, heads, d // heads) + new.unsqueeze(-1) * values)
     return (mixed / (old + new).unsqueeze(-1)).reshape(b, t, d)
-
-
-def route(
-    sources: Tensor,
-    query: Tensor,
-    norm_weight: Tensor,
-    heads: int,
-    eps: float = 1e-6,
-    backend: str = "torch",
-) -> Tensor:
-    """Multi-head depth routing. sources [N, B, T, D], query and norm_weight [D] -> [B, T, D].
-
-    backend="torch" runs the reference; backend="triton" the fused kernels (CUDA, or the Triton
-    interpreter with TRITON_INTERPRET=1). An unknown backend is an error, never a silent fallback.
-    """
-    _check_route_args(sources, query, norm_weight, heads)
-    if backend == "torch":
-        return route_reference(sources, query, norm_weight, heads, eps)
-    if backend == "triton":
-        from mhar_lit.kernels.routing_triton import route_triton
-
-        return route_triton(sources, query, norm_weight, heads, eps)
-    raise ValueError(f"unknown routing backend {backend!r}; expected one of {BACKENDS}")
