@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Optional
 
+from mhar_lit.tracking import DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI, run_name_method
+
 TOOLS = {
     "sweep": "mhar_lit.sweep:sweep_main",
     "compare": "mhar_lit.sweep:compare_main",
@@ -21,29 +23,6 @@ TOOLS = {
     "convert": "mhar_lit.convert:convert_main",
     "lm_eval": "mhar_lit.eval.lm_eval_adapter:lm_eval_main",
 }
-
-# MLflow 3 sends usage telemetry to a remote endpoint unless told not to; training must not touch the network.
-# Set MLFLOW_DISABLE_TELEMETRY=false explicitly to opt back in.
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-
-# An embedded sqlite store in the working directory unless MLFLOW_TRACKING_URI points at a server.
-DEFAULT_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
-DEFAULT_EXPERIMENT = "mhar_lit"
-
-
-def local_store_path(tracking_uri: str) -> str | None:
-    """The file or folder of a local MLflow store URI (sqlite:///PATH, file:PATH or a plain path), else None.
-    Commands that only read a store check it exists: MLflow creates an empty one (and its folders) on access."""
-    from urllib.parse import unquote, urlparse
-
-    if tracking_uri.startswith("sqlite:///"):  # sqlite:///rel.db, sqlite:////abs.db (percent-encoded, ?query)
-        return unquote(tracking_uri[len("sqlite:///"):].split("?")[0])
-    if tracking_uri.startswith("file:"):  # file:rel, file:///abs, file://localhost/abs
-        return unquote(urlparse(tracking_uri).path)
-    if "://" in tracking_uri or tracking_uri.startswith("databricks"):  # servers, databricks[-uc][://profile]
-        return None
-    return tracking_uri
-
 
 def build_cli(args: Optional[list[str]] = None, run: bool = True):
     """The LightningCLI of mhar_lit (also used by tests with run=False)."""
@@ -164,9 +143,9 @@ def name_unnamed_mlflow_run(config) -> None:
     if init_args is None or init_args.get("run_name") or init_args.get("run_id"):
         return
     residual = config.get("model", {}).get("residual")
-    method = str(residual.get("class_path", "")).rsplit(".", 1)[-1] if hasattr(residual, "get") else ""
+    method = run_name_method(residual.get("class_path") if hasattr(residual, "get") else None)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    parts = [method or "StandardResidual", str(config.get("model", {}).get("size", "")), stamp, secrets.token_hex(2)]
+    parts = [method, str(config.get("model", {}).get("size", "")), stamp, secrets.token_hex(2)]
     init_args["run_name"] = "-".join(p for p in parts if p)
 
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from typing import Any, Optional
 
-from mhar_lit.cli import DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI, local_store_path
+from mhar_lit.tracking import DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI, local_store_path
 
 BASELINE_METHOD = "StandardResidual"
 
@@ -200,21 +200,3 @@ def compare_main(argv: list[str]) -> int:
         with open(args.json, "w") as fh:
             json.dump({"sweep": args.sweep, "metric": args.metric, "rows": rows, "summary": summary}, fh, indent=2)
     return 0
-
-
-def method_label(residual: Any) -> str:
-    """Readable method name for tags: class name plus its main options."""
-    name = type(residual).__name__
-    options = [f"{k}={getattr(residual, k)}" for k in ("heads", "streams", "dynamic", "variant", "layers_per_block")
-               if hasattr(residual, k)]
-    return f"{name}({', '.join(options)})" if options else name
-
-
-def tag_run(trainer: Any, residual: Any, size: str, seed: Optional[str]) -> None:
-    """Sets the method / seed / size tags that `compare` groups by (MLflow loggers only)."""
-    from lightning.pytorch.loggers import MLFlowLogger
-
-    for logger in trainer.loggers:
-        if isinstance(logger, MLFlowLogger) and trainer.is_global_zero:
-            for key, value in {"method": method_label(residual), "seed": seed or "?", "size": size}.items():
-                logger.experiment.set_tag(logger.run_id, key, value)

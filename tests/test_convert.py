@@ -164,6 +164,23 @@ def test_save_pretrained_round_trip(tmp_path):
         assert torch.equal(again(ids()), model(ids()))
 
 
+
+def test_a_directory_naming_foreign_code_is_refused(tmp_path):
+    """mhar_config.json names the strategy's class; one outside mhar_lit.residual is never imported."""
+    from mhar_lit.config import ModelConfig
+
+    model = DecoderLM(ModelConfig.from_name("tiny"), DeltaAttnRes(heads=4, layers_per_block=1)).eval()
+    save_pretrained(model, tmp_path / "saved")
+    meta_path = tmp_path / "saved" / "mhar_config.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["residual"] == model.residual.to_config()
+    meta["residual"] = {"class_path": "os.system", "init_args": {"command": "echo pwned"}}
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ConversionError, match="mhar_config.json: residual class_path 'os.system' is not in the "
+                                              "allowed packages"):
+        load_pretrained(tmp_path / "saved")
+
+
 # ------------------------------------------------------------------------------------------ errors
 def _copy_hf(hf_path: Path, dst: Path) -> Path:
     dst.mkdir()

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mhar_lit.lit.module import LanguageModel, lr_factor, model_from_checkpoint, strategy_signature
+from mhar_lit.lit.module import LanguageModel, lr_factor, model_from_checkpoint
 from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes, StandardResidual
 
 
@@ -55,9 +55,16 @@ def test_checkpoint_from_another_strategy_or_size_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="not written by mhar_lit"):
         LanguageModel(size="tiny").on_load_checkpoint({"state_dict": {}})
     LanguageModel(size="tiny", residual=FullAttnRes(heads=4, backend="torch")).on_load_checkpoint(ckpt)  # same: ok
-    # files written before triton_options became a runtime option list it: still the same strategy
-    ckpt["mhar_lit"]["residual"]["options"]["triton_options"] = {}
+    # speed options recorded in the file do not make another strategy
+    assert ckpt["mhar_lit"]["residual"]["init_args"]["triton_options"] == {}
     LanguageModel(size="tiny", residual=FullAttnRes(heads=4, triton_options={"suffix_impl": "fma"})).on_load_checkpoint(ckpt)
+    # files written before init_args was the key stored "options" (and some speed options): still the same strategy
+    ckpt["mhar_lit"]["residual"] = {"class_path": "mhar_lit.residual.attnres.FullAttnRes",
+                                    "options": {"heads": 4, "random_query_init": False, "eps": 1e-6,
+                                                "triton_options": {}}}
+    LanguageModel(size="tiny", residual=FullAttnRes(heads=4)).on_load_checkpoint(ckpt)
+    with pytest.raises(ValueError, match="checkpoint residual does not match this run"):
+        LanguageModel(size="tiny", residual=FullAttnRes(heads=2)).on_load_checkpoint(ckpt)
 
 
 def test_model_from_checkpoint_round_trip(tmp_path):
@@ -66,7 +73,7 @@ def test_model_from_checkpoint_round_trip(tmp_path):
     module = LanguageModel(size="tiny", residual=FullAttnRes(heads=2, random_query_init=True))
     _save(module, tmp_path / "m.ckpt")
     model = model_from_checkpoint(str(tmp_path / "m.ckpt"))
-    assert strategy_signature(model.residual) == strategy_signature(module.model.residual)
+    assert model.residual.to_config() == module.model.residual.to_config()
     x = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         assert torch.equal(model(x), module.model.eval()(x))
@@ -148,14 +155,14 @@ def test_state_dict_holds_each_weight_once():
 
 
 def test_triton_tuning_knobs_do_not_change_checkpoint_identity():
-    a = strategy_signature(FullAttnRes(heads=4, backend="triton", triton_chunk=4, triton_group=8,
-                                       triton_options={"suffix_impl": "fma"}))
-    b = strategy_signature(FullAttnRes(heads=4, backend="torch", triton_chunk=2, triton_group=4))
-    assert a == b and a["options"]["heads"] == 4
-    a = strategy_signature(BlockAttnRes(heads=4, layers_per_block=2, backend="triton", triton_shared_buffer=False,
-                                        triton_options={"num_warps": 4}))
-    b = strategy_signature(BlockAttnRes(heads=4, layers_per_block=2, two_phase=True))
-    assert a == b and a["options"] == {"heads": 4, "layers_per_block": 2, "random_query_init": False, "eps": 1e-6}
+    a = FullAttnRes(heads=4, backend="triton", triton_chunk=4, triton_group=8,
+                    triton_options={"suffix_impl": "fma"}).identity()
+    b = FullAttnRes(heads=4, backend="torch", triton_chunk=2, triton_group=4).identity()
+    assert a == b and a["init_args"]["heads"] == 4
+    a = BlockAttnRes(heads=4, layers_per_block=2, backend="triton", triton_shared_buffer=False,
+                     triton_options={"num_warps": 4}).identity()
+    b = BlockAttnRes(heads=4, layers_per_block=2, two_phase=True).identity()
+    assert a == b and a["init_args"] == {"heads": 4, "layers_per_block": 2, "random_query_init": False, "eps": 1e-6}
 
 
 def test_compare_pairs_only_same_seed_and_lr():

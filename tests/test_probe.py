@@ -24,7 +24,6 @@ from mhar_lit.analysis.metrics import (
 from mhar_lit.analysis.probe import probe_main, probe_model
 from mhar_lit.analysis.stats import RoutingStats
 from mhar_lit.config import ModelConfig
-from mhar_lit.lit.module import strategy_signature
 from mhar_lit.models.decoder import DecoderLM
 from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes, StandardResidual
 from mhar_lit.routing import routing_logits, routing_weights
@@ -350,7 +349,7 @@ def test_a_strategy_without_routing_is_a_clear_error(tmp_path, capsys):
 def _save_checkpoint(model, path):
     """The layout model_from_checkpoint reads (what LanguageModel.on_save_checkpoint writes)."""
     torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-                "mhar_lit": {"model_config": model.config.to_dict(), "residual": strategy_signature(model.residual)}},
+                "mhar_lit": {"model_config": model.config.to_dict(), "residual": model.residual.to_config()}},
                path)
     return path
 

@@ -187,7 +187,7 @@ def check_mlflow_run(tracking_uri: str, run_id: str) -> None:
     run, so a sqlite file that does not exist is a typo, not a new store to create."""
     from mlflow.tracking import MlflowClient
 
-    from mhar_lit.cli import local_store_path
+    from mhar_lit.tracking import local_store_path
 
     path = local_store_path(tracking_uri)
     if path is not None and not os.path.exists(path):
@@ -314,7 +314,7 @@ def _check_fits_model(args: argparse.Namespace, model: nn.Module) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from mhar_lit.lit.module import model_from_checkpoint, strategy_signature
+    from mhar_lit.lit.module import model_from_checkpoint
 
     if bool(args.tracking_uri) != bool(args.run_id):
         raise ValueError("--tracking-uri and --run-id go together")
@@ -330,7 +330,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ids_QT, origin = _input_ids(args, model)
     report, stats = probe_model(model, ids_QT, args.slices, args.null_draws, args.seed, args.batch_size)
     report = {"checkpoint": os.path.abspath(args.ckpt), "token_source": origin,
-              "model": {"config": model.config.to_dict(), "residual": strategy_signature(model.residual)}, **report}
+              "model": {"config": model.config.to_dict(), "residual": model.residual.to_config()}, **report}
     text = json.dumps(report, indent=1, allow_nan=False)  # serialised first: a NaN can't leave a half-written file
     os.makedirs(args.out, exist_ok=True)
     report_path = os.path.join(args.out, REPORT_FILE)
