@@ -337,7 +337,7 @@ def model_from_checkpoint(path: str, trust_pickle: bool = False,
         if not trust_pickle:  # a complete archive (checked above) whose pickle holds objects weights_only refuses
             raise UserError(
                 f"{path} contains pickled Python objects and was not loaded (weights_only); "
-                "pass trust_pickle=True (--trust-checkpoint) only if you created this file"
+                "pass trust_pickle=True (--trust_checkpoint) only if you created this file"
             ) from err
         raise UserError(f"cannot read checkpoint {path}: {type(err).__name__}: {err}") from err
     except Exception as err:  # a zip that is not a torch file, a damaged member: torch's errors name neither
