@@ -3,6 +3,7 @@
 import glob
 import json
 import math
+import re
 import os
 import subprocess
 import sys
@@ -346,7 +347,8 @@ def test_tool_flags_share_the_underscore_spelling_and_keep_the_hyphenated_one(ca
             main([command, "--help"])
         out = capsys.readouterr().out
         for flag in flags:
-            assert f"{flag}, {flag.replace('_', '-')}" in out or f"{flag} {flag[2:].upper()}, {flag.replace('_', '-')}" in out, (command, flag)
+            alias = flag.replace("_", "-")
+            assert re.search(rf"{flag}( {flag[2:].upper()})?, {alias}", out), (command, flag)
 
 
 def test_a_user_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
@@ -397,7 +399,8 @@ def test_lightning_adverts_and_its_deprecations_are_silenced(monkeypatch):
         rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
         rank_zero.info("💡 Tip: For seamless cloud logging, try installing litlogger")
         rank_zero.info("GPU available: False, used: False")
-        logging.getLogger("lightning.pytorch.callbacks.model_summary").info("95 K      Total params\n0         Total Flops")
+        summary = logging.getLogger("lightning.pytorch.callbacks.model_summary")
+        summary.info("95 K      Total params\n0         Total Flops")
     finally:
         for name, handler in handlers.items():
             logging.getLogger(name).removeHandler(handler)

@@ -10,7 +10,7 @@ from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes, StandardR
 
 
 def test_lr_schedule_matches_paper_formula():
-    """Warmup to the peak, then lr(t) = peak [rho + (1 - rho) 1/2 (1 + cos(pi (t - W) / (S - W)))] (SPEC H.1)."""
+    """Warmup to the peak, then lr(t) = peak [rho + (1 - rho) 1/2 (1 + cos(pi (t - W) / (S - W)))] (docs/method.md H.1)."""
     warmup, total, rho = 1000, 20000, 0.1
     assert lr_factor(0, warmup, total, rho) == pytest.approx(1 / 1000)
     assert lr_factor(999, warmup, total, rho) == pytest.approx(1.0)
@@ -34,7 +34,7 @@ def test_weight_decay_groups():
     decay_names = {names[id(p)] for p in decay["params"]}
     assert {"embed_tokens.weight", "norm.weight", "residual.gate", "residual.null", "residual.key_norm"} <= no_decay_names
     assert "layers.0.input_layernorm.weight" in no_decay_names and "layers.1.self_attn.k_norm.weight" in no_decay_names
-    assert "residual.query" in decay_names and "layers.0.mlp.up_proj.weight" in decay_names  # SPEC J11: q decayed
+    assert "residual.query" in decay_names and "layers.0.mlp.up_proj.weight" in decay_names  # docs/method.md J11: q decayed
     assert not decay_names & no_decay_names
     assert len(decay_names) + len(no_decay_names) == len(list(module.model.parameters()))
 

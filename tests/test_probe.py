@@ -1,4 +1,4 @@
-"""The query probe (SPEC G): its math against hand-computed answers, the source capture, and the CLI end to end.
+"""The query probe (docs/method.md G): its math against hand-computed answers, the source capture, and the CLI end to end.
 
 Shape legend: N sources, B sequences, T positions, D width, S slices, H heads, R draws.
 """

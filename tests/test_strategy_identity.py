@@ -133,7 +133,8 @@ def test_a_users_strategy_works_when_named_and_is_refused_from_a_file_alone(tmp_
     LanguageModel(size="tiny", residual=ScaledResidual(scale=0.5)).on_load_checkpoint(ckpt)
     with pytest.raises(UserError, match="'my_strategies.ScaledResidual' is not in the allowed packages"):
         model_from_checkpoint(str(tmp_path / "user.ckpt"))
-    model = model_from_checkpoint(str(tmp_path / "user.ckpt"), allowed=ALLOWED_PACKAGES + ("my_strategies.ScaledResidual",))
+    allowed = ALLOWED_PACKAGES + ("my_strategies.ScaledResidual",)
+    model = model_from_checkpoint(str(tmp_path / "user.ckpt"), allowed=allowed)
     assert model.residual.scale == 0.5 and torch.equal(model.residual.alpha, module.model.residual.alpha)
 
 

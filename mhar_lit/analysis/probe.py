@@ -260,7 +260,8 @@ def build_parser():
     parser.add_argument("--out", default="probe_out", help="output directory (report.json and PNGs)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     parser.add_argument("--no_figures", "--no-figures", action="store_true", help="write report.json only")
-    parser.add_argument("--tracking_uri", "--tracking-uri", help="MLflow tracking URI of the run to attach the outputs to")
+    parser.add_argument("--tracking_uri", "--tracking-uri",
+                        help="MLflow tracking URI of the run to attach the outputs to")
     parser.add_argument("--run_id", "--run-id", help="MLflow run id (with --tracking_uri)")
     parser.add_argument("--trust_checkpoint", "--trust-checkpoint", action="store_true",
                         help="allow a checkpoint with pickled Python objects (only for files you created)")

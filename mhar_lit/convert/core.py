@@ -10,7 +10,7 @@ A converted directory holds
 
 Pretrained tensors are copied bit for bit (same dtype unless --dtype asks otherwise); the strategy's
 parameters are written in fp32 with the strategy's own init, which for DeltaAttnRes makes the converted
-model exactly the pretrained function (SPEC E).
+model exactly the pretrained function (docs/method.md E).
 """
 
 from __future__ import annotations

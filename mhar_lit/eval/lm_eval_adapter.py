@@ -280,7 +280,7 @@ def _register() -> Optional[type]:
 MHARLM = _register()
 
 
-LM_EVAL_HELP = """usage: python -m mhar_lit lm_eval --model mhar_lit --model_args path=DIR[,KEY=VALUE...] --tasks T [...]
+LM_EVAL_HELP = """usage: python -m mhar_lit lm_eval --model mhar_lit --model_args path=DIR[,KEY=V...] --tasks T [...]
 
 Runs lm-evaluation-harness's own command line with the mhar_lit model registered; the flags are lm_eval's
 (`python -m mhar_lit lm_eval run --help` lists them). DIR is a directory written by `python -m mhar_lit convert`
