@@ -12,7 +12,7 @@ LLAMA3_VOCAB = 128_256
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a Qwen3/Llama-style decoder (SPEC section A).
+    """Shape and numerics of a Qwen3/Llama-style decoder (docs/method.md A).
 
     `head_dim` defaults to hidden_size // num_heads. `qk_norm` is Qwen3's per-head q/k RMSNorm before RoPE
     (Llama has none). `rope_scaling` takes the Llama-3.1 dict ({"rope_type": "llama3", "factor": 8.0,
@@ -84,7 +84,7 @@ _LLAMA31_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 
-# d / L / H_q / H_kv / FFN of the paper (SPEC A) plus the Llama-3.1-8B shape used for mid-training.
+# d / L / H_q / H_kv / FFN of the paper (docs/method.md A) plus the Llama-3.1-8B shape used for mid-training.
 NAMED_SIZES: dict[str, dict[str, Any]] = {
     "100M": dict(hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=4, intermediate_size=1536),
     "350M": dict(hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=8, intermediate_size=4096),

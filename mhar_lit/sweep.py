@@ -11,11 +11,13 @@ sweep id; `config=` values are extra config files layered on the base, other key
 
 prints final and tail-mean validation loss per run with the paired delta against the standard-residual
 run of the same seed (and learning rate), then the per-method mean and spread of those deltas.
+
+Flags follow jsonargparse's spelling (`--sweep_id`, `--dry_run`, `--keep_going`, `--tracking_uri`); the
+hyphenated forms are accepted too.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import itertools
 import json
@@ -27,7 +29,8 @@ import subprocess
 import sys
 from typing import Any, Optional
 
-from mhar_lit.cli import DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI, local_store_path
+from mhar_lit.errors import UserError, exits_on_user_error
+from mhar_lit.tracking import DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI, local_store_path
 
 BASELINE_METHOD = "StandardResidual"
 
@@ -37,7 +40,7 @@ def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
     for spec in specs:
         key, sep, values = spec.partition("=")
         if not sep or not key or not values:
-            raise SystemExit(f"error: --grid expects key=v1,v2,..., got {spec!r}")
+            raise UserError(f"--grid expects key=v1,v2,..., got {spec!r}")
         grid.append((key.strip(), [v.strip() for v in values.split(",") if v.strip()]))
     return grid
 
@@ -60,22 +63,56 @@ def fit_command(configs: list[str], point: dict[str, str], sweep_id: str, extra:
     return cmd + extra
 
 
-def sweep_main(argv: list[str]) -> int:
+def _parser(prog: str, description: str):
+    from jsonargparse import ArgumentParser
+
+    return ArgumentParser(prog=f"python -m mhar_lit {prog}", description=description,
+                          formatter_class=_raw_description())
+
+
+def _raw_description():
+    """jsonargparse's help formatter keeping the description's line breaks (its usage examples)."""
+    import argparse
+
+    from jsonargparse import DefaultHelpFormatter
+
+    return type("RawDescriptionHelpFormatter", (argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter), {})
+
+
+SWEEP_HELP = """Runs the cross product of the grid as separate `fit` processes, one MLflow run each, tagged with one
+sweep id. `config=` values are extra config files layered on the base; other keys are fit flags.
+
+    python -m mhar_lit sweep --config configs/replication/base.yaml \\
+        --grid config=configs/methods/baseline.yaml,configs/methods/mhar.yaml \\
+        --grid model.lr=1e-3,5e-4 --grid seed_everything=1,2 [-- extra fit args]
+
+Arguments after `--` go to every `fit` run. Then: python -m mhar_lit compare --sweep ID"""
+COMPARE_HELP = """Final and tail-mean validation loss of a sweep's runs, the paired delta of each against the
+StandardResidual run of the same seed and lr, and per method the mean and spread of those deltas."""
+
+
+def build_sweep_parser():
+    parser = _parser("sweep", SWEEP_HELP)
+    parser.add_argument("--config", action="append", required=True, help="base config file(s), repeatable")
+    parser.add_argument("--grid", action="append", default=[], help="key=v1,v2 (repeatable)")
+    parser.add_argument("--sweep_id", "--sweep-id", default=None, help="default: sw-<date>-<random>")
+    parser.add_argument("--dry_run", "--dry-run", action="store_true", help="print the planned runs, run none")
+    parser.add_argument("--keep_going", "--keep-going", action="store_true",
+                        help="run the remaining points if one fails")
+    return parser
+
+
+@exits_on_user_error()
+def sweep_main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
-    parser = argparse.ArgumentParser(prog="python -m mhar_lit sweep", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", required=True, help="base config file(s)")
-    parser.add_argument("--grid", action="append", default=[], help="key=v1,v2 (repeatable)")
-    parser.add_argument("--sweep-id", default=None, help="default: sw-<date>-<random>")
-    parser.add_argument("--dry-run", action="store_true", help="print the commands only")
-    parser.add_argument("--keep-going", action="store_true", help="run the remaining points if one fails")
-    args = parser.parse_args(argv)
+    args = build_sweep_parser().parse_args(argv)
     points = grid_points(parse_grid(args.grid))
     sweep_id = args.sweep_id or f"sw-{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
-    print(f"sweep {sweep_id}: {len(points)} runs", flush=True)
+    print(f"sweep {sweep_id}: {len(points)} runs{' planned (dry run)' if args.dry_run else ''}", flush=True)
     failures = 0
     for index, point in enumerate(points, 1):
         cmd = fit_command(args.config, point, sweep_id, extra)
@@ -88,6 +125,9 @@ def sweep_main(argv: list[str]) -> int:
             print(f"run {index} failed with exit code {code}", file=sys.stderr)
             if not args.keep_going:
                 return code
+    if args.dry_run:
+        print(f"dry run: planned {len(points)} runs, ran none")
+        return 0
     print(f"done: {len(points) - failures}/{len(points)} runs succeeded; compare with:\n"
           f"  python -m mhar_lit compare --sweep {sweep_id}")
     return 1 if failures else 0
@@ -165,33 +205,58 @@ def summarize(rows: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
             "mean": statistics.fmean(values) if values else math.nan,
             "delta_mean": statistics.fmean(deltas) if deltas else math.nan,
             "delta_std": statistics.stdev(deltas) if len(deltas) > 1 else math.nan,
+            "paired": len(deltas),
         })
     return summary
+
+
+def _number(value: float, spec: str, width: int) -> str:
+    """A table cell: `-` for a missing value (NaN: no baseline to pair with, fewer than two deltas)."""
+    sign, precision = ("+", spec[1:]) if spec.startswith("+") else ("", spec)
+    return f"{'-':>{width}}" if math.isnan(value) else f"{value:>{sign}{width}{precision}}"
+
+
+def _spread(summary_row: dict[str, Any]) -> str:
+    if not math.isnan(summary_row["delta_std"]):
+        return f"{summary_row['delta_std']:>8.4f}"
+    return f"{'-':>8}" + (f"  ({summary_row['paired']} seed)" if summary_row["paired"] == 1 else "")
 
 
 def format_table(rows: list[dict[str, Any]], summary: list[dict[str, Any]], metric: str) -> str:
     width = max([len("method")] + [len(r["method"]) for r in rows])
     lines = [f"{'method':<{width}} {'seed':>5} {'lr':>8} {'final':>8} {'tail':>8} {'delta':>8} {'tok/s':>9}  run"]
     for r in sorted(rows, key=lambda r: (r["method"], str(r["seed"]), str(r["lr"]))):
-        lines.append(f"{r['method']:<{width}} {r['seed']:>5} {r['lr']:>8} {r['final']:>8.4f} {r['tail_mean']:>8.4f} "
-                     f"{r['delta']:>+8.4f} {r['tokens_per_s']:>9.0f}  {r['name']}")
+        lines.append(f"{r['method']:<{width}} {r['seed']:>5} {r['lr']:>8} {_number(r['final'], '.4f', 8)} "
+                     f"{_number(r['tail_mean'], '.4f', 8)} {_number(r['delta'], '+.4f', 8)} "
+                     f"{_number(r['tokens_per_s'], '.0f', 9)}  {r['name']}")
     lines.append("")
     lines.append(f"{'method':<{width}} {'runs':>5} {'mean ' + metric:>18} {'paired delta':>13} {'+- std':>8}")
     for s in summary:
-        lines.append(f"{s['method']:<{width}} {s['runs']:>5} {s['mean']:>18.4f} {s['delta_mean']:>+13.4f} "
-                     f"{s['delta_std']:>8.4f}")
+        lines.append(f"{s['method']:<{width}} {s['runs']:>5} {_number(s['mean'], '.4f', 18)} "
+                     f"{_number(s['delta_mean'], '+.4f', 13)} {_spread(s)}")
+    lines += ["", "final: the last validation loss; tail: the mean validation loss over the last k validations "
+                  "(model.tail_k);",
+              f"delta: this run's {metric} minus that of the {BASELINE_METHOD} run of the same seed and lr "
+              "(- when there is none);",
+              "+- std: the spread of a method's deltas over its paired runs (- with fewer than two)."]
     return "\n".join(lines)
 
 
-def compare_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mhar_lit compare")
+def build_compare_parser():
+    parser = _parser("compare", COMPARE_HELP)
     parser.add_argument("--sweep", required=True, help="sweep id printed by `sweep`")
-    parser.add_argument("--tracking-uri", action="append", default=None,
+    parser.add_argument("--tracking_uri", "--tracking-uri", action="append", default=None,
                         help=f"MLflow store; repeat to pool several (default {DEFAULT_TRACKING_URI})")
-    parser.add_argument("--experiment", default=DEFAULT_EXPERIMENT)
-    parser.add_argument("--metric", default="tail_mean", choices=("tail_mean", "final"))
+    parser.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment")
+    parser.add_argument("--metric", default="tail_mean", choices=("tail_mean", "final"),
+                        help="what the deltas compare: tail_mean (mean over the last k validations) or final")
     parser.add_argument("--json", default=None, help="also write rows and summary to this JSON file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+@exits_on_user_error()
+def compare_main(argv: Optional[list[str]] = None) -> int:
+    args = build_compare_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     rows = collect_runs(args.sweep, args.tracking_uri or [DEFAULT_TRACKING_URI], args.experiment)
     add_paired_deltas(rows, args.metric)
     summary = summarize(rows, args.metric)
@@ -200,21 +265,3 @@ def compare_main(argv: list[str]) -> int:
         with open(args.json, "w") as fh:
             json.dump({"sweep": args.sweep, "metric": args.metric, "rows": rows, "summary": summary}, fh, indent=2)
     return 0
-
-
-def method_label(residual: Any) -> str:
-    """Readable method name for tags: class name plus its main options."""
-    name = type(residual).__name__
-    options = [f"{k}={getattr(residual, k)}" for k in ("heads", "streams", "dynamic", "variant", "layers_per_block")
-               if hasattr(residual, k)]
-    return f"{name}({', '.join(options)})" if options else name
-
-
-def tag_run(trainer: Any, residual: Any, size: str, seed: Optional[str]) -> None:
-    """Sets the method / seed / size tags that `compare` groups by (MLflow loggers only)."""
-    from lightning.pytorch.loggers import MLFlowLogger
-
-    for logger in trainer.loggers:
-        if isinstance(logger, MLFlowLogger) and trainer.is_global_zero:
-            for key, value in {"method": method_label(residual), "seed": seed or "?", "size": size}.items():
-                logger.experiment.set_tag(logger.run_id, key, value)

@@ -3,6 +3,7 @@
 import glob
 import json
 import math
+import re
 import os
 import subprocess
 import sys
@@ -251,14 +252,14 @@ def test_sweep_and_compare(tmp_path):
     base = _tiny_args(tmp_path, "--trainer.max_steps", "4", residual=False)
     extra = [a for a in base if a not in ("--config", str(REPO / "configs/demo.yaml"))]
     sweep = subprocess.run(
-        [sys.executable, "-m", "mhar_lit", "sweep", "--config", str(REPO / "configs/demo.yaml"), "--sweep-id", "sw-test",
+        [sys.executable, "-m", "mhar_lit", "sweep", "--config", str(REPO / "configs/demo.yaml"), "--sweep_id", "sw-test",
          "--grid", f"config={REPO}/configs/methods/baseline.yaml,{REPO}/configs/methods/mhar.yaml", "--", *extra],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
     )
     assert sweep.returncode == 0, sweep.stderr[-3000:]
     out = tmp_path / "cmp.json"
     compare = subprocess.run(
-        [sys.executable, "-m", "mhar_lit", "compare", "--sweep", "sw-test", "--tracking-uri",
+        [sys.executable, "-m", "mhar_lit", "compare", "--sweep", "sw-test", "--tracking_uri",
          f"sqlite:///{tmp_path}/mlflow.db", "--json", str(out)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
@@ -301,3 +302,192 @@ def test_user_strategy_selected_by_class_path_without_editing_the_model(tmp_path
     loss = cli.model.model(x).float().logsumexp(-1).mean()
     loss.backward()
     assert residual.alpha.grad is not None and residual.alpha.grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- the terminal
+COMMANDS = ["fit", "validate", "test", "predict", "sweep", "compare", "probe", "convert", "lm_eval"]
+
+
+def _run_module(*args, cwd, env_extra=None, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
+    if "MHAR_DEBUG" not in (env_extra or {}):
+        env.pop("MHAR_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "mhar_lit", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_top_level_help_lists_every_command(tmp_path):
+    done = _run_module("--help", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m mhar_lit ") and "__main__" not in done.stdout
+    listed = {line.split()[0]: line for line in done.stdout.splitlines() if line.startswith("  ")}
+    for command in COMMANDS:
+        assert command in listed and len(listed[command].split()) > 2, command  # a name and its description
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command, capsys, monkeypatch):
+    from mhar_lit.cli import main
+
+    monkeypatch.delenv("MHAR_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m mhar_lit ") and command in out.splitlines()[0]
+
+
+def test_tool_flags_share_the_underscore_spelling_and_keep_the_hyphenated_one(capsys, monkeypatch):
+    from mhar_lit.cli import main
+
+    for command, flags in {"sweep": ["--sweep_id", "--dry_run", "--keep_going"], "compare": ["--tracking_uri"],
+                           "probe": ["--tokens_file", "--seq_len", "--batch_size", "--tracking_uri", "--run_id"],
+                           "convert": ["--num_blocks", "--export_hf", "--max_shard_size"]}.items():
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = capsys.readouterr().out
+        for flag in flags:
+            alias = flag.replace("_", "-")
+            assert re.search(rf"{flag}( {flag[2:].upper()})?, {alias}", out), (command, flag)
+
+
+def test_a_user_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
+    base = ["validate", "--config", str(REPO / "configs/demo.yaml"), "--trainer.logger", "false"]
+    plain = _run_module(*base, cwd=tmp_path)
+    expected = "error: `validate` without --ckpt_path (or model.init_from) would score a randomly initialised model"
+    assert plain.returncode == 2 and plain.stderr.strip().splitlines()[-1].startswith(expected), plain.stderr[-2000:]
+    assert "Traceback" not in plain.stderr
+    for debug in ({"args": ["--debug"]}, {"env": {"MHAR_DEBUG": "1"}}):
+        done = _run_module(*base, *debug.get("args", []), cwd=tmp_path, env_extra=debug.get("env"))
+        assert done.returncode != 0 and "Traceback" in done.stderr and "UserError: `validate` without" in done.stderr
+    missing = _run_module("fit", "--config", str(REPO / "configs/demo.yaml"), "--ckpt_path",
+                          str(tmp_path / "nope.ckpt"), "--trainer.logger", "false", cwd=tmp_path)
+    last = missing.stderr.strip().splitlines()[-1]
+    assert missing.returncode == 2 and last == f"error: checkpoint not found: {tmp_path / 'nope.ckpt'}", missing.stderr
+    bad_flag = _run_module("probe", "--ckpt", "x.ckpt", "--batch_size", "0", cwd=tmp_path)
+    assert bad_flag.returncode == 2 and bad_flag.stderr.strip().endswith(
+        "error: argument --batch_size/--batch-size: must be >= 1, got 0")
+
+
+def test_lightning_adverts_and_its_deprecations_are_silenced(monkeypatch):
+    import logging
+    import warnings
+
+    from mhar_lit import cli
+
+    monkeypatch.setattr(cli.quiet_third_party, "done", False, raising=False)
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handlers = {name: Keep() for name in ("lightning.pytorch.utilities.rank_zero",
+                                          "lightning.pytorch.callbacks.model_summary")}
+    for name, handler in handlers.items():
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cli.quiet_third_party()
+            warnings.warn_explicit("`x` is deprecated", DeprecationWarning, "lightning/pytorch/x.py", 1,
+                                   module="lightning.pytorch.x")
+            warnings.warn_explicit("ours is deprecated", DeprecationWarning, "mhar_lit/x.py", 1, module="mhar_lit.x")
+            warnings.warn_explicit("a lightning user warning", UserWarning, "lightning/pytorch/x.py", 1,
+                                   module="lightning.pytorch.x")
+        rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+        rank_zero.info("💡 Tip: For seamless cloud logging, try installing litlogger")
+        rank_zero.info("GPU available: False, used: False")
+        summary = logging.getLogger("lightning.pytorch.callbacks.model_summary")
+        summary.info("95 K      Total params\n0         Total Flops")
+    finally:
+        for name, handler in handlers.items():
+            logging.getLogger(name).removeHandler(handler)
+    assert sorted(str(w.message) for w in caught) == ["a lightning user warning", "ours is deprecated"]
+    assert seen == ["GPU available: False, used: False", "95 K      Total params"]
+
+
+def _tiny_module_and_data(batches):
+    from mhar_lit.lit.module import LanguageModel
+
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.randint(0, 256, (4 * batches, 17)), batch_size=4)
+    return LanguageModel(size="tiny", warmup_steps=1), data
+
+
+def _fit_with_bar(tmp_path, max_steps, ckpt=None, batches=4):
+    import lightning as L
+
+    from mhar_lit.lit.callbacks import StepProgressBar
+
+    bar = StepProgressBar()
+    module, data = _tiny_module_and_data(batches)
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[bar],
+                        default_root_dir=str(tmp_path))
+    trainer.fit(module, data, ckpt_path=ckpt)
+    return trainer, str(bar.train_progress_bar)
+
+
+def test_progress_bar_counts_steps_against_max_steps_with_tokens_per_second(tmp_path):
+    """Epochs of 4 batches, 6 steps: Lightning's bar read `Epoch 1 ... 2/4`; a resume at step 3 read `3/4` of
+    an epoch. The step bar reads 6/6 both times and shows tok/s."""
+    trainer, text = _fit_with_bar(tmp_path, 6)
+    assert text.startswith("step") and " 6/6 " in text and "tok/s=" in text and "Epoch" not in text, text
+    ckpt = str(tmp_path / "at3.ckpt")
+    trainer, _ = _fit_with_bar(tmp_path, 3)
+    trainer.save_checkpoint(ckpt)
+    resumed, text = _fit_with_bar(tmp_path, 6, ckpt=ckpt)
+    assert resumed.global_step == 6 and " 6/6 " in text and "tok/s=" in text, text
+
+
+def test_progress_bar_is_the_cli_default_unless_disabled(tmp_path, monkeypatch):
+    from mhar_lit.lit.callbacks import StepProgressBar
+
+    monkeypatch.chdir(tmp_path)
+    base = ["--config", str(REPO / "configs/demo.yaml"), "--trainer.logger", "false"]
+    cli = build_cli(base, run=False)
+    assert isinstance(cli.trainer.progress_bar_callback, StepProgressBar)
+    cli = build_cli([*base, "--trainer.enable_progress_bar", "false"], run=False)
+    assert cli.trainer.progress_bar_callback is None
+
+
+def test_sweep_dry_run_says_it_ran_nothing(capsys):
+    from mhar_lit.sweep import sweep_main
+
+    code = sweep_main(["--config", str(REPO / "configs/demo.yaml"), "--grid", "model.lr=1e-3,2e-3",
+                       "--sweep-id", "sw-dry", "--dry-run"])  # the hyphenated spellings still work
+    out = capsys.readouterr().out
+    assert code == 0 and "sweep sw-dry: 2 runs planned (dry run)" in out
+    assert out.strip().endswith("dry run: planned 2 runs, ran none") and "succeeded" not in out
+
+
+def _log_run(uri, method, seed, lr, tail):
+    from mlflow.tracking import MlflowClient
+
+    from mhar_lit.tracking import DEFAULT_EXPERIMENT
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(DEFAULT_EXPERIMENT)
+    exp_id = exp.experiment_id if exp else client.create_experiment(DEFAULT_EXPERIMENT)
+    run = client.create_run(exp_id, tags={"sweep_id": "one", "method": method, "seed": str(seed)},
+                            run_name=f"{method}-{seed}")
+    client.log_param(run.info.run_id, "lr", lr)
+    for key, value in (("val/loss", tail + 0.01), ("val/tail_mean", tail)):
+        client.log_metric(run.info.run_id, key, value)
+    client.set_terminated(run.info.run_id)
+
+
+def test_compare_with_one_seed_shows_no_nan_and_explains_its_columns(tmp_path, capsys):
+    from mhar_lit.sweep import compare_main
+
+    uri = f"sqlite:///{tmp_path}/one.db"
+    _log_run(uri, "StandardResidual", 1, "0.001", 1.50)
+    _log_run(uri, "FullAttnRes(heads=8)", 1, "0.001", 1.45)
+    assert compare_main(["--sweep", "one", "--tracking_uri", uri]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out
+    summary = [line for line in out.splitlines() if line.startswith("FullAttnRes(heads=8)") and "(1 seed)" in line]
+    assert len(summary) == 1 and summary[0].split()[3:5] == ["-0.0500", "-"], summary
+    assert "tail: the mean validation loss over the last k validations" in out

@@ -164,6 +164,23 @@ def test_save_pretrained_round_trip(tmp_path):
         assert torch.equal(again(ids()), model(ids()))
 
 
+
+def test_a_directory_naming_foreign_code_is_refused(tmp_path):
+    """mhar_config.json names the strategy's class; one outside mhar_lit.residual is never imported."""
+    from mhar_lit.config import ModelConfig
+
+    model = DecoderLM(ModelConfig.from_name("tiny"), DeltaAttnRes(heads=4, layers_per_block=1)).eval()
+    save_pretrained(model, tmp_path / "saved")
+    meta_path = tmp_path / "saved" / "mhar_config.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["residual"] == model.residual.to_config()
+    meta["residual"] = {"class_path": "os.system", "init_args": {"command": "echo pwned"}}
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ConversionError, match="mhar_config.json: residual class_path 'os.system' is not in the "
+                                              "allowed packages"):
+        load_pretrained(tmp_path / "saved")
+
+
 # ------------------------------------------------------------------------------------------ errors
 def _copy_hf(hf_path: Path, dst: Path) -> Path:
     dst.mkdir()
@@ -189,7 +206,7 @@ def _expect_error(tmp_path, src, match):
     with pytest.raises(ConversionError, match=match):
         convert_hf(src, out, strategy="delta", num_blocks=2)
     _no_output(tmp_path, out)
-    assert convert_main(["--from", str(src), "--to", str(out), "--num-blocks", "2"]) == 1
+    assert convert_main(["--from", str(src), "--to", str(out), "--num-blocks", "2"]) == 2
     _no_output(tmp_path, out)
 
 
@@ -246,7 +263,7 @@ def test_blocks_must_divide_depth(tmp_path, single_hf):
 
 def test_heads_not_dividing_width_is_a_clear_cli_error(tmp_path, single_hf, capsys):
     out = tmp_path / "out"
-    assert convert_main(["--from", str(single_hf), "--to", str(out), "--num-blocks", "2", "--heads", "3"]) == 1
+    assert convert_main(["--from", str(single_hf), "--to", str(out), "--num-blocks", "2", "--heads", "3"]) == 2
     assert "not divisible by the number of routing heads 3" in capsys.readouterr().err
     _no_output(tmp_path, out)
 
@@ -270,9 +287,9 @@ def test_output_overlapping_the_source_is_refused(tmp_path, single_hf, capsys, e
     dst = {"same": src / ".." / src.name, "inside": src / "out", "parent": tmp_path}[where]
     before = {f.name: f.read_bytes() for f in src.iterdir()}
     flags = ["--export-hf"] if export else ["--num-blocks", "2"]
-    assert convert_main([*flags, "--from", str(src), "--to", str(dst), "--overwrite"]) == 1
+    assert convert_main([*flags, "--from", str(src), "--to", str(dst), "--overwrite"]) == 2
     relation = {"same": "is", "inside": "is inside", "parent": "contains"}[where]
-    assert capsys.readouterr().err == (f"convert: error: output directory {dst.resolve()} {relation} the source "
+    assert capsys.readouterr().err == (f"error: output directory {dst.resolve()} {relation} the source "
                                        f"directory {src.resolve()}; choose a --to outside the source\n")
     assert {f.name: f.read_bytes() for f in src.iterdir()} == before
 
@@ -284,8 +301,8 @@ def _no_partial(tmp_path: Path) -> None:
 def test_output_under_a_file_is_a_clear_error(tmp_path, single_hf, capsys):
     (tmp_path / "somefile").write_text("x")
     out = tmp_path / "somefile" / "out"
-    assert convert_main(["--from", str(single_hf), "--to", str(out), "--num-blocks", "2"]) == 1
-    assert capsys.readouterr().err == (f"convert: error: cannot create output directory {out}: "
+    assert convert_main(["--from", str(single_hf), "--to", str(out), "--num-blocks", "2"]) == 2
+    assert capsys.readouterr().err == (f"error: cannot create output directory {out}: "
                                        f"{tmp_path / 'somefile'} is not a directory\n")
     assert (tmp_path / "somefile").read_text() == "x"
     _no_partial(tmp_path)
@@ -298,8 +315,8 @@ def test_unwritable_output_parent_is_a_clear_error(tmp_path, single_hf, capsys, 
 
     monkeypatch.setattr(tempfile, "mkdtemp", read_only)
     out = tmp_path / "new" / "deep" / "out"
-    assert convert_main(["--from", str(single_hf), "--to", str(out), "--num-blocks", "2"]) == 1
-    assert capsys.readouterr().err == f"convert: error: cannot create output directory {out}: Read-only file system\n"
+    assert convert_main(["--from", str(single_hf), "--to", str(out), "--num-blocks", "2"]) == 2
+    assert capsys.readouterr().err == f"error: cannot create output directory {out}: Read-only file system\n"
     assert not (tmp_path / "new").exists()  # the parents made for it are removed again
 
 
@@ -332,16 +349,16 @@ def test_write_failure_is_a_clear_error_and_keeps_the_old_output(tmp_path, singl
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    assert convert_main(["--from", str(single_hf), "--to", str(out), "--num-blocks", "2", "--overwrite"]) == 1
+    assert convert_main(["--from", str(single_hf), "--to", str(out), "--num-blocks", "2", "--overwrite"]) == 2
     err = capsys.readouterr().err
     if failure == "disk-full":
-        assert err == (f"convert: error: cannot write output directory {out}: [Errno 28] No space left on device: "
+        assert err == (f"error: cannot write output directory {out}: [Errno 28] No space left on device: "
                        f"'{out / 'model.safetensors'}'\n")
     elif failure == "rename-fails":
-        assert err == f"convert: error: cannot write output directory {out}: [Errno 18] Invalid cross-device link: " \
+        assert err == f"error: cannot write output directory {out}: [Errno 18] Invalid cross-device link: " \
                       f"'{out}' -> '{out}'\n"
     else:
-        assert err.startswith(f"convert: error: cannot write output directory {out}: Error while serializing: ")
+        assert err.startswith(f"error: cannot write output directory {out}: Error while serializing: ")
         assert ".partial-" not in err and str(out) in err.split(": ", 3)[-1]
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     _no_partial(tmp_path)

@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from mhar_lit.lit.module import LanguageModel, lr_factor, model_from_checkpoint, strategy_signature
+from mhar_lit.lit.module import LanguageModel, lr_factor, model_from_checkpoint
 from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes, StandardResidual
 
 
 def test_lr_schedule_matches_paper_formula():
-    """Warmup to the peak, then lr(t) = peak [rho + (1 - rho) 1/2 (1 + cos(pi (t - W) / (S - W)))] (SPEC H.1)."""
+    """Warmup to the peak, then lr(t) = peak [rho + (1 - rho) 1/2 (1 + cos(pi (t - W) / (S - W)))] (docs/method.md H.1)."""
     warmup, total, rho = 1000, 20000, 0.1
     assert lr_factor(0, warmup, total, rho) == pytest.approx(1 / 1000)
     assert lr_factor(999, warmup, total, rho) == pytest.approx(1.0)
@@ -34,7 +34,7 @@ def test_weight_decay_groups():
     decay_names = {names[id(p)] for p in decay["params"]}
     assert {"embed_tokens.weight", "norm.weight", "residual.gate", "residual.null", "residual.key_norm"} <= no_decay_names
     assert "layers.0.input_layernorm.weight" in no_decay_names and "layers.1.self_attn.k_norm.weight" in no_decay_names
-    assert "residual.query" in decay_names and "layers.0.mlp.up_proj.weight" in decay_names  # SPEC J11: q decayed
+    assert "residual.query" in decay_names and "layers.0.mlp.up_proj.weight" in decay_names  # docs/method.md J11: q decayed
     assert not decay_names & no_decay_names
     assert len(decay_names) + len(no_decay_names) == len(list(module.model.parameters()))
 
@@ -55,9 +55,14 @@ def test_checkpoint_from_another_strategy_or_size_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="not written by mhar_lit"):
         LanguageModel(size="tiny").on_load_checkpoint({"state_dict": {}})
     LanguageModel(size="tiny", residual=FullAttnRes(heads=4)).on_load_checkpoint(ckpt)  # same: ok
-    # files written before triton_options became a runtime option list it: still the same strategy
-    ckpt["mhar_lit"]["residual"]["options"]["triton_options"] = {}
+    # files written before init_args was the key stored "options" (with the routing speed options strategies took
+    # then): still the same strategy
+    ckpt["mhar_lit"]["residual"] = {"class_path": "mhar_lit.residual.attnres.FullAttnRes",
+                                    "options": {"heads": 4, "random_query_init": False, "eps": 1e-6,
+                                                "backend": "triton", "triton_options": {}}}
     LanguageModel(size="tiny", residual=FullAttnRes(heads=4)).on_load_checkpoint(ckpt)
+    with pytest.raises(ValueError, match="checkpoint residual does not match this run"):
+        LanguageModel(size="tiny", residual=FullAttnRes(heads=2)).on_load_checkpoint(ckpt)
 
 
 def test_model_from_checkpoint_round_trip(tmp_path):
@@ -66,7 +71,7 @@ def test_model_from_checkpoint_round_trip(tmp_path):
     module = LanguageModel(size="tiny", residual=FullAttnRes(heads=2, random_query_init=True))
     _save(module, tmp_path / "m.ckpt")
     model = model_from_checkpoint(str(tmp_path / "m.ckpt"))
-    assert strategy_signature(model.residual) == strategy_signature(module.model.residual)
+    assert model.residual.to_config() == module.model.residual.to_config()
     x = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         assert torch.equal(model(x), module.model.eval()(x))
@@ -150,14 +155,12 @@ def test_state_dict_holds_each_weight_once():
 def test_triton_tuning_knobs_do_not_change_checkpoint_identity():
     full = FullAttnRes(heads=4)
     full.set_routing_backend("triton", {"chunk": 4, "group": 8})
-    a = strategy_signature(full)
-    b = strategy_signature(FullAttnRes(heads=4))
-    assert a == b and a["options"]["heads"] == 4
+    a, b = full.identity(), FullAttnRes(heads=4).identity()
+    assert a == b and a["init_args"]["heads"] == 4
     block = BlockAttnRes(heads=4, layers_per_block=2)
     block.set_routing_backend("triton", {"num_warps": 4})
-    a = strategy_signature(block)
-    b = strategy_signature(BlockAttnRes(heads=4, layers_per_block=2, two_phase=True))
-    assert a == b and a["options"] == {"heads": 4, "layers_per_block": 2, "random_query_init": False, "eps": 1e-6}
+    a, b = block.identity(), BlockAttnRes(heads=4, layers_per_block=2, two_phase=True).identity()
+    assert a == b and a["init_args"] == {"heads": 4, "layers_per_block": 2, "random_query_init": False, "eps": 1e-6}
 
 
 def test_compare_pairs_only_same_seed_and_lr():

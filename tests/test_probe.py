@@ -1,4 +1,4 @@
-"""The query probe (SPEC G): its math against hand-computed answers, the source capture, and the CLI end to end.
+"""The query probe (docs/method.md G): its math against hand-computed answers, the source capture, and the CLI end to end.
 
 Shape legend: N sources, B sequences, T positions, D width, S slices, H heads, R draws.
 """
@@ -24,7 +24,6 @@ from mhar_lit.analysis.metrics import (
 from mhar_lit.analysis.probe import probe_main, probe_model
 from mhar_lit.analysis.stats import RoutingStats
 from mhar_lit.config import ModelConfig
-from mhar_lit.lit.module import strategy_signature
 from mhar_lit.models.decoder import DecoderLM
 from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes, StandardResidual
 from mhar_lit.routing import routing_logits, routing_weights
@@ -340,7 +339,7 @@ def test_a_strategy_without_routing_is_a_clear_error(tmp_path, capsys):
             pass
     ckpt = _save_checkpoint(model, tmp_path / "standard.ckpt")
     np.save(tmp_path / "ids.npy", np.arange(64) % 256)
-    assert probe_main(["--ckpt", str(ckpt), "--tokens-file", str(tmp_path / "ids.npy"), "--out", str(tmp_path)]) == 2
+    assert probe_main(["--ckpt", str(ckpt), "--tokens_file", str(tmp_path / "ids.npy"), "--out", str(tmp_path)]) == 2
     assert "no routing queries" in capsys.readouterr().err
 
 
@@ -350,7 +349,7 @@ def test_a_strategy_without_routing_is_a_clear_error(tmp_path, capsys):
 def _save_checkpoint(model, path):
     """The layout model_from_checkpoint reads (what LanguageModel.on_save_checkpoint writes)."""
     torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-                "mhar_lit": {"model_config": model.config.to_dict(), "residual": strategy_signature(model.residual)}},
+                "mhar_lit": {"model_config": model.config.to_dict(), "residual": model.residual.to_config()}},
                path)
     return path
 
@@ -369,8 +368,8 @@ def test_probe_end_to_end_single_head(tmp_path):
     model = _model(FullAttnRes(heads=1, random_query_init=True))
     ckpt = _save_checkpoint(model, tmp_path / "single.ckpt")
     np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 256, size=3000))
-    report, out = _probe_twice(tmp_path, ckpt, ["--tokens-file", str(tmp_path / "ids.npy"), "--tokens", "1024",
-                                                "--seq-len", "64", "--batch-size", "5", "--null-draws", "3"])
+    report, out = _probe_twice(tmp_path, ckpt, ["--tokens_file", str(tmp_path / "ids.npy"), "--tokens", "1024",
+                                                "--seq_len", "64", "--batch_size", "5", "--null_draws", "3"])
     assert (report["tokens"], report["sequences"], report["seq_len"], report["seed"]) == (1024, 16, 64, 3)
     assert report["checkpoint"] == str(ckpt.resolve())
     assert [s["num_sources"] for s in report["sites"]] == [1, 2, 3, 4, 5]
@@ -400,7 +399,7 @@ def test_probe_end_to_end_multi_head(tmp_path):
     model = _model(FullAttnRes(heads=4, random_query_init=True))
     ckpt = _save_checkpoint(model, tmp_path / "mhar.ckpt")
     torch.save(torch.randint(0, 256, (6, 48), generator=torch.Generator().manual_seed(1)), tmp_path / "ids.pt")
-    report, out = _probe_twice(tmp_path, ckpt, ["--tokens-file", str(tmp_path / "ids.pt"), "--null-draws", "2"])
+    report, out = _probe_twice(tmp_path, ckpt, ["--tokens_file", str(tmp_path / "ids.pt"), "--null_draws", "2"])
     assert (report["tokens"], report["sequences"], report["heads"]) == (288, 6, 4)
     assert report["width_disagreement"] is None
     hd = report["head_deviation"]
@@ -422,8 +421,8 @@ def test_probe_reads_text_with_a_tokenizer(tmp_path):
     model = _model(FullAttnRes(heads=2, random_query_init=True), vocab_size=300)
     ckpt = _save_checkpoint(model, tmp_path / "m.ckpt")
     args = ["--ckpt", str(ckpt), "--data", str(tmp_path / "docs.jsonl"), "--tokenizer", "bytes",
-            "--val-fraction", "0.2", "--tokens", "256", "--seq-len", "32", "--out", str(tmp_path / "out"),
-            "--no-figures"]
+            "--val_fraction", "0.2", "--tokens", "256", "--seq_len", "32", "--out", str(tmp_path / "out"),
+            "--no_figures"]
     assert probe_main(args) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["tokens"] == 256 and report["sequences"] == 8
@@ -447,8 +446,8 @@ def test_probe_logs_artifacts_to_an_mlflow_run(tmp_path):
     model = _model(FullAttnRes(heads=1, random_query_init=True))
     ckpt = _save_checkpoint(model, tmp_path / "m.ckpt")
     np.save(tmp_path / "ids.npy", np.arange(256) % 256)
-    assert probe_main(["--ckpt", str(ckpt), "--tokens-file", str(tmp_path / "ids.npy"), "--seq-len", "64",
-                       "--out", str(tmp_path / "out"), "--tracking-uri", uri, "--run-id", run_id]) == 0
+    assert probe_main(["--ckpt", str(ckpt), "--tokens_file", str(tmp_path / "ids.npy"), "--seq_len", "64",
+                       "--out", str(tmp_path / "out"), "--tracking_uri", uri, "--run_id", run_id]) == 0
     names = {a.path for a in client.list_artifacts(run_id, "probe")}
     assert names == {"probe/report.json", "probe/routing_weights.png", "probe/width_disagreement.png"}
     metrics = client.get_run(run_id).data.metrics
@@ -462,7 +461,7 @@ def test_cli_dispatches_the_probe_tool(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["probe", "--help"])
     assert exit_info.value.code == 0
-    assert "--null-draws" in capsys.readouterr().out
+    assert "--null_draws" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- bad input: a clear error, early, nothing written
@@ -473,43 +472,43 @@ def _good_checkpoint(tmp_path, heads=1):
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--batch-size", "0", "argument --batch-size: must be >= 1, got 0"),
+    ("--batch_size", "0", "argument --batch_size/--batch-size: must be >= 1, got 0"),
     ("--tokens", "0", "argument --tokens: must be >= 1, got 0"),
     ("--tokens", "-5", "argument --tokens: must be >= 1, got -5"),
-    ("--seq-len", "0", "argument --seq-len: must be >= 1, got 0"),
+    ("--seq_len", "0", "argument --seq_len/--seq-len: must be >= 1, got 0"),
     ("--slices", "0", "argument --slices: must be >= 1, got 0"),
-    ("--null-draws", "-1", "argument --null-draws: must be >= 1, got -1"),
-    ("--batch-size", "two", "argument --batch-size: expected a whole number, got 'two'"),
+    ("--null_draws", "-1", "argument --null_draws/--null-draws: must be >= 1, got -1"),
+    ("--batch_size", "two", "argument --batch_size/--batch-size: expected a whole number, got 'two'"),
     ("--seed", str(-2**63 - 1), f"argument --seed: must be in [-2**63, 2**64), got {-2**63 - 1}"),
     ("--seed", str(2**64), f"argument --seed: must be in [-2**63, 2**64), got {2**64}"),
-    ("--val-fraction", "2", "argument --val-fraction: must be in (0, 1], got 2"),
-    ("--val-fraction", "0", "argument --val-fraction: must be in (0, 1], got 0"),
-    ("--val-fraction", "nan", "argument --val-fraction: must be in (0, 1], got nan"),
+    ("--val_fraction", "2", "argument --val_fraction/--val-fraction: must be in (0, 1], got 2"),
+    ("--val_fraction", "0", "argument --val_fraction/--val-fraction: must be in (0, 1], got 0"),
+    ("--val_fraction", "nan", "argument --val_fraction/--val-fraction: must be in (0, 1], got nan"),
 ])
 def test_number_flags_are_checked_when_parsed(tmp_path, capsys, flag, value, message):
     # The checkpoint does not exist: an error about it would mean the flag got past argument parsing.
     with pytest.raises(SystemExit) as exit_info:
         probe_main(["--ckpt", str(tmp_path / "none.ckpt"), "--out", str(tmp_path / "out"), f"{flag}={value}"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip().endswith(f"python -m mhar_lit probe: error: {message}")
+    assert capsys.readouterr().err.strip().endswith(f"error: {message}")
     assert not (tmp_path / "out").exists()
 
 
 def test_probe_model_refuses_a_zero_batch_size():
     model = _model(FullAttnRes(heads=1, random_query_init=True))
-    with pytest.raises(ValueError, match=r"^--batch-size must be >= 1, got 0$"):
+    with pytest.raises(ValueError, match=r"^--batch_size must be >= 1, got 0$"):
         probe_model(model, torch.zeros(2, 8, dtype=torch.long), batch_size=0)
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--seq-len", "4096"], "--seq-len 4096 exceeds the model's max_position_embeddings 512"),
+    (["--seq_len", "4096"], "--seq_len 4096 exceeds the model's max_position_embeddings 512"),
     (["--slices", "7"], "width 64 is not divisible by --slices 7"),
 ])
 def test_flags_that_do_not_fit_the_model_fail_before_the_tokens_are_read(tmp_path, capsys, extra, message):
     ckpt = _good_checkpoint(tmp_path)
-    args = ["--ckpt", str(ckpt), "--tokens-file", str(tmp_path / "missing.npy"), "--out", str(tmp_path / "out")]
+    args = ["--ckpt", str(ckpt), "--tokens_file", str(tmp_path / "missing.npy"), "--out", str(tmp_path / "out")]
     assert probe_main(args + extra) == 2
-    assert capsys.readouterr().err == f"probe: error: {message}\n"
+    assert capsys.readouterr().err == f"error: {message}\n"
 
 
 @pytest.mark.parametrize("name, save, dtype", [
@@ -519,10 +518,10 @@ def test_flags_that_do_not_fit_the_model_fail_before_the_tokens_are_read(tmp_pat
 ])
 def test_a_tokens_file_of_non_integers_is_refused(tmp_path, capsys, name, save, dtype):
     save(tmp_path / name)
-    args = ["--ckpt", str(_good_checkpoint(tmp_path)), "--tokens-file", str(tmp_path / name),
+    args = ["--ckpt", str(_good_checkpoint(tmp_path)), "--tokens_file", str(tmp_path / name),
             "--out", str(tmp_path / "out")]
     assert probe_main(args) == 2
-    expected = f"probe: error: {tmp_path / name}: token ids must be integers, found dtype {dtype}\n"
+    expected = f"error: {tmp_path / name}: token ids must be integers, found dtype {dtype}\n"
     assert capsys.readouterr().err == expected
     assert not (tmp_path / "out").exists()
 
@@ -559,7 +558,7 @@ def test_an_unusable_out_is_refused_before_the_model_is_loaded(tmp_path, capsys)
              (unwritable, f"--out {unwritable} is not writable: cannot create files in {os.path.dirname(unwritable)}")]
     for out, message in cases:
         assert probe_main(["--ckpt", missing, "--out", out]) == 2
-        assert capsys.readouterr().err.startswith(f"probe: error: {message}")
+        assert capsys.readouterr().err.startswith(f"error: {message}")
     assert (tmp_path / "notes.txt").read_text() == "keep me"
     assert not os.path.exists(unwritable)
 
@@ -569,8 +568,8 @@ def _args_over_a_previous_report(tmp_path):
     np.save(tmp_path / "ids.npy", np.arange(256) % 256)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "report.json").write_text('{"old": 1}')
-    return ["--ckpt", str(_good_checkpoint(tmp_path)), "--tokens-file", str(tmp_path / "ids.npy"),
-            "--tokens", "256", "--seq-len", "64", "--out", str(tmp_path / "out"), "--no-figures"]
+    return ["--ckpt", str(_good_checkpoint(tmp_path)), "--tokens_file", str(tmp_path / "ids.npy"),
+            "--tokens", "256", "--seq_len", "64", "--out", str(tmp_path / "out"), "--no_figures"]
 
 
 def test_a_report_that_cannot_be_serialised_leaves_the_previous_one_intact(tmp_path, capsys, monkeypatch):
@@ -579,7 +578,7 @@ def test_a_report_that_cannot_be_serialised_leaves_the_previous_one_intact(tmp_p
     real = probe.build_report
     monkeypatch.setattr(probe, "build_report", lambda *a, **k: {**real(*a, **k), "broken": float("nan")})
     assert probe_main(_args_over_a_previous_report(tmp_path)) == 2
-    assert capsys.readouterr().err == "probe: error: Out of range float values are not JSON compliant: nan\n"
+    assert capsys.readouterr().err == "error: Out of range float values are not JSON compliant: nan\n"
     assert (tmp_path / "out" / "report.json").read_text() == '{"old": 1}'
 
 
@@ -615,29 +614,29 @@ def test_a_missing_or_deleted_mlflow_run_fails_before_anything_is_written(tmp_pa
     client.delete_run(deleted_id)
     capsys.readouterr()  # MLflow's own log lines from creating the store
     np.save(tmp_path / "ids.npy", np.arange(256) % 256)
-    base = ["--ckpt", str(_good_checkpoint(tmp_path)), "--tokens-file", str(tmp_path / "ids.npy"), "--seq-len", "64",
+    base = ["--ckpt", str(_good_checkpoint(tmp_path)), "--tokens_file", str(tmp_path / "ids.npy"), "--seq_len", "64",
             "--out", str(tmp_path / "out")]
-    assert probe_main(base + ["--tracking-uri", uri, "--run-id", "nosuchrun"]) == 2
-    assert capsys.readouterr().err == (f"probe: error: --run-id nosuchrun: cannot read this run at --tracking-uri "
+    assert probe_main(base + ["--tracking_uri", uri, "--run_id", "nosuchrun"]) == 2
+    assert capsys.readouterr().err == (f"error: --run_id nosuchrun: cannot read this run at --tracking_uri "
                                        f"{uri}: Run with id=nosuchrun not found\n")
-    assert probe_main(base + ["--tracking-uri", uri, "--run-id", deleted_id]) == 2
-    assert capsys.readouterr().err == f"probe: error: --run-id {deleted_id} at {uri} is deleted, not active\n"
+    assert probe_main(base + ["--tracking_uri", uri, "--run_id", deleted_id]) == 2
+    assert capsys.readouterr().err == f"error: --run_id {deleted_id} at {uri} is deleted, not active\n"
     assert not (tmp_path / "out").exists()
 
 
 def test_a_sqlite_store_that_does_not_exist_is_a_typo_not_a_new_store(tmp_path, capsys):
     typo = tmp_path / "mlfow.db"
     args = ["--ckpt", str(tmp_path / "none.ckpt"), "--out", str(tmp_path / "out"),
-            "--tracking-uri", f"sqlite:///{typo}", "--run-id", "abc"]
+            "--tracking_uri", f"sqlite:///{typo}", "--run_id", "abc"]
     assert probe_main(args) == 2
-    assert capsys.readouterr().err == (f"probe: error: --tracking-uri sqlite:///{typo}: no MLflow store at {typo} "
+    assert capsys.readouterr().err == (f"error: --tracking_uri sqlite:///{typo}: no MLflow store at {typo} "
                                        "(the probe logs into an existing run and does not create a store)\n")
     assert not typo.exists()
 
 
 def test_an_unknown_device_is_refused_before_the_model_is_loaded(tmp_path, capsys):
     assert probe_main(["--ckpt", str(tmp_path / "none.ckpt"), "--out", str(tmp_path / "out"), "--device", "nodev"]) == 2
-    assert capsys.readouterr().err.startswith("probe: error: --device nodev is not usable: ")
+    assert capsys.readouterr().err.startswith("error: --device nodev is not usable: ")
 
 
 UNREADABLE = "not a complete torch checkpoint (no readable zip archive: truncated, or another kind of file)"
@@ -649,10 +648,10 @@ def test_a_corrupt_checkpoint_is_unreadable_not_untrusted(tmp_path, capsys):
     (tmp_path / "notes.ckpt").write_text("hi\n")
     (tmp_path / "noise.ckpt").write_bytes(np.random.default_rng(0).bytes(1000))
     for name in ("trunc.ckpt", "notes.ckpt", "noise.ckpt"):
-        for trust in ([], ["--trust-checkpoint"]):
+        for trust in ([], ["--trust_checkpoint"]):
             path = tmp_path / name
             assert probe_main(["--ckpt", str(path), "--out", str(tmp_path / "out"), *trust]) == 2
-            assert capsys.readouterr().err == f"probe: error: cannot read checkpoint {path}: {UNREADABLE}\n"
+            assert capsys.readouterr().err == f"error: cannot read checkpoint {path}: {UNREADABLE}\n"
     assert not (tmp_path / "out").exists()
 
 
@@ -665,11 +664,11 @@ def test_only_a_valid_checkpoint_with_pickled_objects_is_sent_to_trust_checkpoin
     checkpoint["hyper_parameters"] = argparse.Namespace(lr=1e-3)  # a pickled object weights_only refuses
     torch.save(checkpoint, ckpt)
     np.save(tmp_path / "ids.npy", np.arange(256) % 256)
-    args = ["--ckpt", str(ckpt), "--tokens-file", str(tmp_path / "ids.npy"), "--seq-len", "64",
-            "--out", str(tmp_path / "out"), "--no-figures"]
+    args = ["--ckpt", str(ckpt), "--tokens_file", str(tmp_path / "ids.npy"), "--seq_len", "64",
+            "--out", str(tmp_path / "out"), "--no_figures"]
     assert probe_main(args) == 2
-    assert capsys.readouterr().err == (f"probe: error: {ckpt} contains pickled Python objects and was not loaded "
-                                       "(weights_only); pass trust_pickle=True (--trust-checkpoint) only if you "
+    assert capsys.readouterr().err == (f"error: {ckpt} contains pickled Python objects and was not loaded "
+                                       "(weights_only); pass trust_pickle=True (--trust_checkpoint) only if you "
                                        "created this file\n")
-    assert probe_main(args + ["--trust-checkpoint"]) == 0
+    assert probe_main(args + ["--trust_checkpoint"]) == 0
     assert (tmp_path / "out" / "report.json").exists()

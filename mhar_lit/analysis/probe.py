@@ -1,7 +1,7 @@
-"""`python -m mhar_lit probe`: the query probe of SPEC G on a trained checkpoint.
+"""`python -m mhar_lit probe`: the query probe of docs/method.md G on a trained checkpoint.
 
-    python -m mhar_lit probe --ckpt runs/.../last.ckpt [--data PATH | --tokens-file ids.npy] [--tokens 100000]
-        [--slices 4] [--null-draws 5] [--seed 0] [--out probe_out] [--tracking-uri URI --run-id ID]
+    python -m mhar_lit probe --ckpt runs/.../last.ckpt [--data PATH | --tokens_file ids.npy] [--tokens 100000]
+        [--slices 4] [--null_draws 5] [--seed 0] [--out probe_out] [--tracking_uri URI --run_id ID]
 
 Over a fixed held-out token set, every routing site's sources are captured (capture.observe_sources) and
 reduced on the fly (stats.RoutingStats) to: the shared routing distribution per head; for single-head
@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from mhar_lit.analysis.capture import observe_sources, routed_residual
 from mhar_lit.analysis.metrics import head_deviation, matched_norm_queries
 from mhar_lit.analysis.stats import RoutingStats
+from mhar_lit.errors import exits_on_user_error
 
 REPORT_FILE = "report.json"
 ARTIFACT_DIR = "probe"
@@ -54,9 +55,9 @@ def collect_stats(model: nn.Module, input_ids_QT: Tensor, slices: int = 4, null_
     """
     residual = routed_residual(model)
     if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+        raise ValueError(f"--batch_size must be >= 1, got {batch_size}")
     if null_draws < 1:
-        raise ValueError(f"--null-draws must be >= 1, got {null_draws}")
+        raise ValueError(f"--null_draws must be >= 1, got {null_draws}")
     if slices < 1:
         raise ValueError(f"--slices must be >= 1, got {slices}")
     generator = torch.Generator().manual_seed(seed)
@@ -187,34 +188,40 @@ def check_mlflow_run(tracking_uri: str, run_id: str) -> None:
     run, so a sqlite file that does not exist is a typo, not a new store to create."""
     from mlflow.tracking import MlflowClient
 
-    from mhar_lit.cli import local_store_path
+    from mhar_lit.tracking import local_store_path
 
     path = local_store_path(tracking_uri)
     if path is not None and not os.path.exists(path):
-        raise ValueError(f"--tracking-uri {tracking_uri}: no MLflow store at {path} (the probe logs into an existing "
+        raise ValueError(f"--tracking_uri {tracking_uri}: no MLflow store at {path} (the probe logs into an existing "
                          "run and does not create a store)")
     try:
         run = MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
     except Exception as err:  # MlflowException (no such run, bad scheme), SQLAlchemy's error for a non-database file
         reason = str(getattr(err, "message", err)).splitlines()[0]  # SQLAlchemy appends the SQL text
-        raise ValueError(f"--run-id {run_id}: cannot read this run at --tracking-uri {tracking_uri}: {reason}") from err
+        raise ValueError(f"--run_id {run_id}: cannot read this run at --tracking_uri {tracking_uri}: {reason}") from err
     if run.info.lifecycle_stage != "active":  # MLflow refuses to log into a deleted run
-        raise ValueError(f"--run-id {run_id} at {tracking_uri} is {run.info.lifecycle_stage}, not active")
+        raise ValueError(f"--run_id {run_id} at {tracking_uri} is {run.info.lifecycle_stage}, not active")
 
 
 # ---------------------------------------------------------------------- command line
-def _checked(convert, ok, expected: str, kind: str):
-    """An argparse type: `convert` the text, then refuse values outside `ok` (they failed deep in the run,
-    or meant nothing), naming what is expected."""
-    def parse(text: str):
+class _checked:
+    """An argument type: `convert` the text, then refuse values outside `ok` (they failed deep in the run,
+    or meant nothing), naming what is expected. A class so that --help names the type."""
+
+    def __init__(self, convert, ok, expected: str, kind: str) -> None:
+        self.convert, self.ok, self.expected, self.kind = convert, ok, expected, kind
+
+    def __call__(self, text):
         try:
-            value = convert(text)
+            value = self.convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {expected}, got {text}")
+            raise argparse.ArgumentTypeError(f"expected {self.kind}, got {text!r}") from None
+        if not self.ok(value):
+            raise argparse.ArgumentTypeError(f"must be {self.expected}, got {text}")
         return value
-    return parse
+
+    def __repr__(self) -> str:
+        return f"{self.convert.__name__} {self.expected}"
 
 
 _positive_int = _checked(int, lambda v: v >= 1, ">= 1", "a whole number")
@@ -224,33 +231,43 @@ _seed = _checked(int, lambda v: -2**63 <= v < 2**64, "in [-2**63, 2**64)", "a wh
 _open_fraction = _checked(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]", "a number")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mhar_lit probe", description=__doc__.split("\n\n")[0])
+def build_parser():
+    """jsonargparse's conventions (`--seq_len`); the hyphenated spellings (`--seq_len`) are accepted too."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m mhar_lit probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt", required=True, help="an mhar_lit Lightning checkpoint (.ckpt)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--data", help="held-out text: a .txt/.jsonl/.parquet file, directory or glob, or a "
                                        "litdata-optimized directory (default: the embedded corpus)")
-    source.add_argument("--tokens-file", help="token ids, .npy or .pt, 1-D stream or 2-D [sequences, length]")
+    source.add_argument("--tokens_file", "--tokens-file",
+                        help="token ids, .npy or .pt, 1-D stream or 2-D [sequences, length]")
     parser.add_argument("--tokenizer", help="tokenizer for --data / the embedded corpus: 'bytes' or a tokenizer.json "
                                             "(default: the checkpoint's datamodule setting, else 'bytes')")
-    parser.add_argument("--val-fraction", type=_open_fraction,
+    parser.add_argument("--val_fraction", "--val-fraction", type=_open_fraction,
                         help="held-out fraction of documents, 0 < v <= 1 (content hash, as in training; default: the "
                              "checkpoint's, else 0.005)")
-    parser.add_argument("--text-field", default="text", help="the text column of .jsonl/.parquet inputs")
-    parser.add_argument("--tokens", type=_positive_int, default=100_000,
-                        help="number of held-out tokens (default 100000)")
-    parser.add_argument("--seq-len", type=_positive_int, help="sequence length (default min(1024, max positions))")
-    parser.add_argument("--batch-size", type=_positive_int, default=8)
+    parser.add_argument("--text_field", "--text-field", default="text",
+                        help="the text column of .jsonl/.parquet inputs")
+    parser.add_argument("--tokens", type=_positive_int, default=100_000, help="number of held-out tokens")
+    parser.add_argument("--seq_len", "--seq-len", type=_positive_int,
+                        help="sequence length (default min(1024, max positions))")
+    parser.add_argument("--batch_size", "--batch-size", type=_positive_int, default=8, help="sequences per forward")
     parser.add_argument("--slices", type=_positive_int, default=4, help="query slices S for the width-disagreement")
-    parser.add_argument("--null-draws", type=_positive_int, default=5, help="matched-norm random queries to average")
+    parser.add_argument("--null_draws", "--null-draws", type=_positive_int, default=5,
+                        help="matched-norm random queries to average")
     parser.add_argument("--seed", type=_seed, default=0, help="seed of the random null")
     parser.add_argument("--out", default="probe_out", help="output directory (report.json and PNGs)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
-    parser.add_argument("--no-figures", action="store_true", help="write report.json only")
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI of the run to attach the outputs to")
-    parser.add_argument("--run-id", help="MLflow run id (with --tracking-uri)")
-    parser.add_argument("--trust-checkpoint", action="store_true",
+    parser.add_argument("--no_figures", "--no-figures", action="store_true", help="write report.json only")
+    parser.add_argument("--tracking_uri", "--tracking-uri",
+                        help="MLflow tracking URI of the run to attach the outputs to")
+    parser.add_argument("--run_id", "--run-id", help="MLflow run id (with --tracking_uri)")
+    parser.add_argument("--trust_checkpoint", "--trust-checkpoint", action="store_true",
                         help="allow a checkpoint with pickled Python objects (only for files you created)")
+    parser.add_argument("--allow_class", "--allow-class", action="append", default=[],
+                        help="a residual strategy class path outside mhar_lit.residual that the checkpoint may name "
+                             "(your own strategy; repeatable)")
     return parser
 
 
@@ -285,7 +302,7 @@ def _input_ids(args: argparse.Namespace, model: nn.Module) -> tuple[Tensor, dict
     ids_QT = to_sequences(ids, args.tokens, seq_len)
     if ids.numel() < args.tokens:  # not when only the cut into whole sequences of seq_len fell short
         print(f"probe: warning: only {ids.numel()} held-out tokens (asked for {args.tokens}); pass more text "
-              "with --data / --tokens-file, or a larger --val-fraction (at most the one used in training)",
+              "with --data / --tokens_file, or a larger --val_fraction (at most the one used in training)",
               file=sys.stderr)
     vocab = model.config.vocab_size
     if int(ids_QT.min()) < 0 or int(ids_QT.max()) >= vocab:
@@ -306,7 +323,7 @@ def _check_fits_model(args: argparse.Namespace, model: nn.Module) -> None:
     """The flags that depend on the model, checked before any data is read."""
     max_positions = model.config.max_position_embeddings
     if args.seq_len is not None and args.seq_len > max_positions:
-        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings {max_positions}")
+        raise ValueError(f"--seq_len {args.seq_len} exceeds the model's max_position_embeddings {max_positions}")
     residual = routed_residual(model)  # also the error for a strategy without routing
     width = residual.query.shape[-1]
     if residual.heads == 1 and width % args.slices != 0:
@@ -314,23 +331,25 @@ def _check_fits_model(args: argparse.Namespace, model: nn.Module) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from mhar_lit.lit.module import model_from_checkpoint, strategy_signature
+    from mhar_lit.lit.module import model_from_checkpoint
+    from mhar_lit.residual.base import ALLOWED_PACKAGES
 
     if bool(args.tracking_uri) != bool(args.run_id):
-        raise ValueError("--tracking-uri and --run-id go together")
+        raise ValueError("--tracking_uri and --run_id go together")
     # Everything that can be checked without the model is, so a mistake never costs a full probe run.
     check_out_dir(args.out)
     if args.tracking_uri:
         check_mlflow_run(args.tracking_uri, args.run_id)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     _check_device(device)
-    model = model_from_checkpoint(args.ckpt, trust_pickle=args.trust_checkpoint)
+    model = model_from_checkpoint(args.ckpt, trust_pickle=args.trust_checkpoint,
+                                  allowed=ALLOWED_PACKAGES + tuple(args.allow_class))
     _check_fits_model(args, model)
     model.to(device)
     ids_QT, origin = _input_ids(args, model)
     report, stats = probe_model(model, ids_QT, args.slices, args.null_draws, args.seed, args.batch_size)
     report = {"checkpoint": os.path.abspath(args.ckpt), "token_source": origin,
-              "model": {"config": model.config.to_dict(), "residual": strategy_signature(model.residual)}, **report}
+              "model": {"config": model.config.to_dict(), "residual": model.residual.to_config()}, **report}
     text = json.dumps(report, indent=1, allow_nan=False)  # serialised first: a NaN can't leave a half-written file
     os.makedirs(args.out, exist_ok=True)
     report_path = os.path.join(args.out, REPORT_FILE)
@@ -355,13 +374,10 @@ def _print_summary(report: dict[str, Any], out: str) -> None:
         print(f"  {key.removeprefix('probe/')}: {value:.4f}")
 
 
+@exits_on_user_error(ValueError, FileNotFoundError)  # bad input from the data and tokenizer layers too
 def probe_main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        report = run(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"probe: error: {err}", file=sys.stderr)
-        return 2
+    report = run(args)
     _print_summary(report, args.out)
     return 0
 

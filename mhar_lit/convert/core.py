@@ -10,7 +10,7 @@ A converted directory holds
 
 Pretrained tensors are copied bit for bit (same dtype unless --dtype asks otherwise); the strategy's
 parameters are written in fp32 with the strategy's own init, which for DeltaAttnRes makes the converted
-model exactly the pretrained function (SPEC E).
+model exactly the pretrained function (docs/method.md E).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def _pretrained_plan(reader: TensorReader, shapes: dict[str, tuple[int, ...]], d
 
 def _residual_plan(cfg: ModelConfig, strategy: ResidualStrategy) -> list[Planned]:
     """The strategy's freshly initialised parameters (fp32), from a twin bound outside any model."""
-    twin = strategies.rebuild(strategies.describe(strategy))
+    twin = strategies.rebuild(strategy.to_config())
     twin.bind(cfg)
     return [(f"residual.{k}", v.numel() * v.element_size(), lambda v=v: v.float())
             for k, v in twin.state_dict().items()]
@@ -196,7 +196,7 @@ def _write_directory(out: Path, plan: list[Planned], cfg: ModelConfig, residual:
     _write_json(out / MHAR_CONFIG, {
         "format": FORMAT,
         "model_config": cfg.to_dict(),
-        "residual": strategies.describe(residual),
+        "residual": residual.to_config(),
         "identity_preserving_init": type(residual).__name__ in ("StandardResidual", "DeltaAttnRes"),
         "source": source,
         "files": files,
@@ -274,8 +274,10 @@ def _copy_into(param: torch.Tensor, value: torch.Tensor, name: str, path: Path) 
 
 
 def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | str = torch.float32, backend: Optional[str] = None) -> DecoderLM:
-    """A DecoderLM in eval mode, built from a converted directory's mhar_config.json and loaded from it."""
+                    dtype: torch.dtype | str = torch.float32, backend: Optional[str] = None,
+                    allowed: tuple[str, ...] = strategies.ALLOWED_PACKAGES) -> DecoderLM:
+    """A DecoderLM in eval mode, built from a converted directory's mhar_config.json and loaded from it.
+    The strategy's class must lie in an `allowed` package or be named there exactly."""
     path = Path(path)
     meta = read_mhar_config(path)
     try:
@@ -283,7 +285,7 @@ def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
     except (KeyError, TypeError, ValueError) as err:
         raise ConversionError(f"{path / MHAR_CONFIG}: bad field 'model_config' ({err})") from err
     residual = strategies.rebuild(meta.get("residual") or {"class_path": "mhar_lit.residual.standard.StandardResidual"},
-                                  backend=backend)
+                                  backend=backend, allowed=allowed)
     dtype = _parse_dtype(dtype) if isinstance(dtype, str) else dtype
     return build_from_weights(cfg, residual, path, device=device, dtype=dtype, check_config=False).eval()
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 from mhar_lit.config import ModelConfig
+from mhar_lit.errors import UserError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 _MODEL_TYPE_OF = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError):
     """A checkpoint or config that cannot be converted; the message names the file, tensor or field."""
 
 

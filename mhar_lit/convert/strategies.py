@@ -1,15 +1,14 @@
-"""Residual strategies for conversion: built from CLI options, described as {class_path, init_args} and
-rebuilt from that description when a converted directory is loaded."""
+"""Residual strategies for conversion: built from CLI options, recorded as their `to_config()`
+({class_path, init_args}) and rebuilt from it when a converted directory is loaded."""
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from typing import Any, Optional
 
 from mhar_lit.convert.hf_config import ConversionError
+from mhar_lit.errors import UserError
 from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes, StandardResidual
-from mhar_lit.residual.base import ResidualStrategy
+from mhar_lit.residual.base import ALLOWED_PACKAGES, ResidualStrategy
 
 STRATEGIES = ("delta", "standard", "full", "block")
 # Strategies whose function equals the pretrained model at init (delta: its gates start at 0).
@@ -40,33 +39,14 @@ def build_strategy(name: str, num_layers: int, heads: int = 8, num_blocks: int =
     raise ConversionError(f"unknown strategy {name!r}; choose one of {STRATEGIES}")
 
 
-def describe(strategy: ResidualStrategy) -> dict[str, Any]:
-    """{class_path, init_args}: the constructor arguments read back from the same-named attributes."""
-    cls = type(strategy)
-    params = inspect.signature(cls.__init__).parameters
-    init_args = {name: getattr(strategy, name) for name in params if name != "self" and hasattr(strategy, name)}
-    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}
-
-
-LEGACY_RUNTIME_OPTIONS = ("backend", "triton_chunk", "triton_group", "triton_options", "triton_shared_buffer")
-
-
-def rebuild(description: dict[str, Any], backend: Optional[str] = None) -> ResidualStrategy:
-    """Inverse of `describe`; `backend` overrides the routing backend (e.g. 'torch' on a CPU machine)."""
-    class_path = description.get("class_path", "")
-    module_name, _, class_name = class_path.rpartition(".")
-    if not module_name.startswith("mhar_lit."):  # never import arbitrary code named by a data file
-        raise ConversionError(f"mhar_config.json: residual class_path {class_path!r} is not an mhar_lit strategy")
+def rebuild(description: dict[str, Any], backend: Optional[str] = None,
+            allowed: tuple[str, ...] = ALLOWED_PACKAGES) -> ResidualStrategy:
+    """The strategy of a converted directory (ResidualStrategy.from_config of its `to_config()` description);
+    `backend` picks the routing backend where the strategy routes (e.g. 'torch' on a CPU machine)."""
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as err:
-        raise ConversionError(f"mhar_config.json: cannot import residual class_path {class_path!r} ({err})") from err
-    if not (isinstance(cls, type) and issubclass(cls, ResidualStrategy)):
-        raise ConversionError(f"mhar_config.json: {class_path!r} is not a ResidualStrategy")
-    init_args = dict(description.get("init_args") or {})
-    for name in LEGACY_RUNTIME_OPTIONS:  # files written when strategies took the routing backend and knobs
-        init_args.pop(name, None)
-    strategy = cls(**init_args)
+        strategy = ResidualStrategy.from_config(description, allowed)
+    except UserError as err:
+        raise ConversionError(f"mhar_config.json: {err}") from err
     if backend is not None and hasattr(strategy, "set_routing_backend"):
         strategy.set_routing_backend(backend)
     return strategy

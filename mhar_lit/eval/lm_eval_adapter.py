@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mhar_lit.errors import UserError, exits_on_user_error
+
 log = logging.getLogger(__name__)
 
 MODEL_NAME = "mhar_lit"
@@ -278,15 +280,27 @@ def _register() -> Optional[type]:
 MHARLM = _register()
 
 
+LM_EVAL_HELP = """usage: python -m mhar_lit lm_eval --model mhar_lit --model_args path=DIR[,KEY=V...] --tasks T [...]
+
+Runs lm-evaluation-harness's own command line with the mhar_lit model registered; the flags are lm_eval's
+(`python -m mhar_lit lm_eval run --help` lists them). DIR is a directory written by `python -m mhar_lit convert`
+(or save_pretrained). --model_args keys: {keys}."""
+
+
+@exits_on_user_error()
 def lm_eval_main(argv: Optional[list[str]] = None) -> int:
     """Run lm_eval's CLI with the mhar_lit model registered (argv as for `lm_eval`)."""
+    import inspect
     import sys
 
+    words = list(sys.argv[1:] if argv is None else argv)
+    if not words or words[0] in ("-h", "--help"):
+        print(LM_EVAL_HELP.format(keys=", ".join(inspect.signature(build_scorer).parameters)))
+        return 0
     if MHARLM is None:
-        print("lm_eval is not installed: pip install lm_eval", file=sys.stderr)
-        return 1
+        raise UserError("lm_eval is not installed: pip install lm_eval")
     from lm_eval.__main__ import cli_evaluate
 
-    sys.argv = ["lm_eval"] + list(sys.argv[1:] if argv is None else argv)
+    sys.argv = ["lm_eval"] + words
     cli_evaluate()
     return 0

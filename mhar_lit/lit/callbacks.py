@@ -1,4 +1,5 @@
-"""Training callbacks: throughput/MFU/memory, routing monitor (entropy + heatmaps), final checkpoint artifact."""
+"""Training callbacks: throughput/MFU/memory, routing monitor (entropy + heatmaps), final checkpoint artifact,
+and the step progress bar."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
 from mhar_lit.residual.attnres import RoutedResidual
 
@@ -312,3 +315,44 @@ class LogCheckpointArtifact(L.Callback):
         else:
             log.warning("checkpoint %s not copied to MLflow (a directory or > %d bytes); its path is in the run's "
                         "'checkpoint_path' tag", path, self.max_bytes)
+
+
+class StepProgressBar(TQDMProgressBar):
+    """With trainer.max_steps set, the training bar counts optimizer steps against max_steps (a resumed run
+    starts at its checkpoint's step) and shows the tokens per second since the bar started; without it,
+    Lightning's per-epoch bar. Lightning's own bar counts batches of an epoch of an endless stream, which read
+    "Epoch 0/-2 ... 200/200" and "40/9" after a resume."""
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
+        super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
+        self._t0: Optional[float] = None
+        self._tokens = 0
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        super().on_train_epoch_start(trainer)
+        if trainer.max_steps is None or trainer.max_steps < 0:
+            return
+        bar = self.train_progress_bar
+        bar.total = convert_inf(trainer.max_steps)
+        bar.initial = bar.n = trainer.global_step  # tqdm's rate counts from `initial`: a resume starts there
+        bar.set_description("step")
+        if self._t0 is None:
+            self._t0, self._tokens = time.perf_counter(), 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.max_steps is None or trainer.max_steps < 0:
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if isinstance(batch, torch.Tensor) and batch.dim() == 2:  # token ids [B, T+1]: T predicted per row
+            self._tokens += batch[:, :-1].numel() * trainer.world_size
+        step, bar = trainer.global_step, self.train_progress_bar
+        if bar is not None and self._should_update(step, trainer.max_steps) and step != bar.n:
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # set_postfix refreshes the bar
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)  # the logger's run version: noise on a terminal, the run name says it
+        elapsed = time.perf_counter() - self._t0 if self._t0 is not None else 0.0
+        if self._tokens and elapsed > 0:
+            metrics["tok/s"] = f"{self._tokens / elapsed:,.0f}"
+        return metrics

@@ -1,4 +1,4 @@
-"""Exponential moving average of the weights as a Lightning callback (SPEC H.2: beta = 0.999, EMA evaluated).
+"""Exponential moving average of the weights as a Lightning callback (docs/method.md H.2: beta = 0.999, EMA evaluated).
 
     shadow <- decay * shadow + (1 - decay) * param        after every optimizer step, in fp32
 

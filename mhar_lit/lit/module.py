@@ -1,12 +1,11 @@
 """LightningModule: the decoder LM with a residual strategy, the paper's optimiser and schedule, metrics.
 
-Recipe defaults follow SPEC H.1: AdamW (0.9, 0.95), eps 1e-8, weight decay 0.1 on every parameter,
+Recipe defaults follow docs/method.md H.1: AdamW (0.9, 0.95), eps 1e-8, weight decay 0.1 on every parameter,
 linear warmup then cosine decay to `min_lr_ratio` x peak, gradient clipping at global norm 1.0.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from typing import Any, Optional
@@ -19,38 +18,19 @@ from torchmetrics import MeanMetric
 
 from mhar_lit.config import ModelConfig
 from mhar_lit.models.decoder import DecoderLM, RMSNorm
-from mhar_lit.residual.base import ResidualStrategy
+from mhar_lit.errors import UserError, UserFileNotFoundError
+from mhar_lit.residual.base import ALLOWED_PACKAGES, ResidualStrategy, without_speed_options
 from mhar_lit.residual.standard import StandardResidual
 
 
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
     """Multiplier of the peak LR at optimizer step `step` (0-based): linear warmup, cosine to the floor."""
     if step < warmup_steps:
-        # SPEC H.1 warms up "from 0"; we start at peak/W so the first update is not wasted, i.e. the ramp is
+        # docs/method.md H.1 warms up "from 0"; we start at peak/W so the first update is not wasted, i.e. the ramp is
         # shifted by one step (peak reached at step W-1 instead of W). The cosine part is exactly H.1's.
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-# Strategy options that change speed, not the function: a run may resume with other values.
-RUNTIME_OPTIONS = ("self", "backend", "triton_chunk", "triton_group", "triton_options", "triton_shared_buffer",
-                   "two_phase")
-
-
-def strategy_signature(residual: ResidualStrategy) -> dict[str, Any]:
-    """What identifies a strategy in a checkpoint: its class path and constructor arguments.
-
-    The routing backend and Triton tuning knobs are left out: a run may resume on another backend.
-    """
-    names = [n for n in inspect.signature(type(residual).__init__).parameters if n not in RUNTIME_OPTIONS]
-    options = {n: getattr(residual, n) for n in names if hasattr(residual, n)}
-    return {"class_path": f"{type(residual).__module__}.{type(residual).__qualname__}", "options": options}
-
-
-def _without_runtime_options(signature: dict[str, Any]) -> dict[str, Any]:
-    options = {k: v for k, v in signature.get("options", {}).items() if k not in RUNTIME_OPTIONS}
-    return dict(signature, options=options)
 
 
 def _check_training_settings(**settings: Any) -> None:
@@ -71,7 +51,7 @@ def _check_training_settings(**settings: Any) -> None:
     for name, value in settings.items():
         ok, expected = rules[name]
         if not ok(value):
-            raise ValueError(f"model.{name} must be {expected}, got {value!r}")
+            raise UserError(f"model.{name} must be {expected}, got {value!r}")
 
 
 class LanguageModel(L.LightningModule):
@@ -132,7 +112,7 @@ class LanguageModel(L.LightningModule):
         self.val_loss = MeanMetric(nan_strategy="error")
         self.val_history: list[float] = []
         if compile and cuda_graph:
-            raise ValueError("compile and cuda_graph are alternatives: set one of them")
+            raise UserError("compile and cuda_graph are alternatives: set one of them")
         self._graphed_loss = None
         if cuda_graph:
             from mhar_lit.lit.cuda_graph import GraphedLoss
@@ -235,7 +215,7 @@ class LanguageModel(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         decay_steps = self.hparams.decay_steps or self.trainer.max_steps
         if not decay_steps or decay_steps < 0:
-            raise ValueError("set trainer.max_steps (or model.decay_steps) so the cosine schedule has an end")
+            raise UserError("set trainer.max_steps (or model.decay_steps) so the cosine schedule has an end")
         fused = self.device.type == "cuda"
         optimizer = torch.optim.AdamW(self.parameter_groups(), lr=self.hparams.lr, betas=tuple(self.hparams.betas),
                                       eps=self.hparams.eps, fused=fused)
@@ -269,19 +249,20 @@ class LanguageModel(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["mhar_lit"] = {
             "model_config": self.config.to_dict(),
-            "residual": strategy_signature(self.model.residual),
+            "residual": self.model.residual.to_config(),
             "val_history": list(self.val_history),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("mhar_lit")
         if saved is None:
-            raise ValueError("checkpoint was not written by mhar_lit (no 'mhar_lit' section); cannot resume from it")
-        mine = {"model_config": self.config.to_dict(), "residual": strategy_signature(self.model.residual)}
-        saved = dict(saved, residual=_without_runtime_options(saved["residual"]))  # older files listed some
+            raise UserError("checkpoint was not written by mhar_lit (no 'mhar_lit' section); cannot resume from it")
+        residual = self.model.residual
+        mine = {"model_config": self.config.to_dict(), "residual": residual.identity()}
+        saved = dict(saved, residual=without_speed_options(saved["residual"], type(residual).speed_options))
         for key in ("model_config", "residual"):
             if saved[key] != mine[key]:
-                raise ValueError(
+                raise UserError(
                     f"checkpoint {key} does not match this run:\n  checkpoint: {saved[key]}\n  this run:   {mine[key]}"
                 )
         self._check_optimizer_settings(checkpoint.get("hyper_parameters", {}))
@@ -301,12 +282,12 @@ class LanguageModel(L.LightningModule):
         differ = [f"{k}: checkpoint {saved[k]}, this run {self.hparams[k]}" for k in self.OPTIMIZER_STATE_SETTINGS
                   if k in saved and norm(saved[k]) != norm(self.hparams[k])]
         if differ:
-            raise ValueError("resuming would restore the checkpoint's optimizer state, whose settings differ from "
+            raise UserError("resuming would restore the checkpoint's optimizer state, whose settings differ from "
                              "this run's (they would be logged but not used): " + "; ".join(differ) + ". Resume "
                              "with the checkpoint's values")
 
     def on_fit_start(self) -> None:
-        from mhar_lit.sweep import tag_run
+        from mhar_lit.tracking import tag_run
 
         tag_run(self.trainer, self.model.residual, self.hparams.size, os.environ.get("PL_GLOBAL_SEED"))
 
@@ -314,7 +295,7 @@ class LanguageModel(L.LightningModule):
         data = getattr(self.trainer, "datamodule", None)
         vocab = getattr(data, "vocab_size", None)
         if vocab is not None and vocab > self.config.vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"the tokenizer has {vocab} ids but the model's vocab_size is {self.config.vocab_size}; "
                 f"set model.model_overrides.vocab_size >= {vocab}"
             )
@@ -329,23 +310,24 @@ def check_checkpoint_file(path: str) -> None:
     import zipfile
 
     if os.path.isdir(path):
-        raise ValueError(f"cannot read checkpoint {path}: it is a directory (a sharded FSDP checkpoint?), not a "
+        raise UserError(f"cannot read checkpoint {path}: it is a directory (a sharded FSDP checkpoint?), not a "
                          "single .ckpt file")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise UserFileNotFoundError(f"checkpoint not found: {path}")
     if not zipfile.is_zipfile(path):
-        raise ValueError(f"cannot read checkpoint {path}: not a complete torch checkpoint (no readable zip archive: "
+        raise UserError(f"cannot read checkpoint {path}: not a complete torch checkpoint (no readable zip archive: "
                          "truncated, or another kind of file)")
 
 
-def model_from_checkpoint(path: str, trust_pickle: bool = False) -> DecoderLM:
+def model_from_checkpoint(path: str, trust_pickle: bool = False,
+                          allowed: tuple[str, ...] = ALLOWED_PACKAGES) -> DecoderLM:
     """Rebuild the DecoderLM (config, strategy, weights) of an mhar_lit Lightning checkpoint, in eval mode.
 
     Loads with weights_only=True by default; a checkpoint that embeds pickled Python objects (a module
     built outside the CLI with a strategy object in its hyperparameters) needs trust_pickle=True, which is
-    only safe for files you created yourself.
+    only safe for files you created yourself. The strategy's class must lie in one of the `allowed` packages
+    or be named there exactly (ResidualStrategy.from_config).
     """
-    import importlib
     import pickle
 
     check_checkpoint_file(path)
@@ -353,18 +335,17 @@ def model_from_checkpoint(path: str, trust_pickle: bool = False) -> DecoderLM:
         checkpoint = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as err:
         if not trust_pickle:  # a complete archive (checked above) whose pickle holds objects weights_only refuses
-            raise ValueError(
+            raise UserError(
                 f"{path} contains pickled Python objects and was not loaded (weights_only); "
-                "pass trust_pickle=True (--trust-checkpoint) only if you created this file"
+                "pass trust_pickle=True (--trust_checkpoint) only if you created this file"
             ) from err
-        raise ValueError(f"cannot read checkpoint {path}: {type(err).__name__}: {err}") from err
+        raise UserError(f"cannot read checkpoint {path}: {type(err).__name__}: {err}") from err
     except Exception as err:  # a zip that is not a torch file, a damaged member: torch's errors name neither
-        raise ValueError(f"cannot read checkpoint {path}: {type(err).__name__}: {err}") from err
+        raise UserError(f"cannot read checkpoint {path}: {type(err).__name__}: {err}") from err
     saved = checkpoint.get("mhar_lit") if isinstance(checkpoint, dict) else None
     if not isinstance(saved, dict) or not {"residual", "model_config"} <= set(saved) or "state_dict" not in checkpoint:
-        raise ValueError(f"{path} was not written by mhar_lit (no 'mhar_lit' section with the model and strategy)")
-    module_name, _, class_name = saved["residual"]["class_path"].rpartition(".")
-    strategy = getattr(importlib.import_module(module_name), class_name)(**saved["residual"]["options"])
+        raise UserError(f"{path} was not written by mhar_lit (no 'mhar_lit' section with the model and strategy)")
+    strategy = ResidualStrategy.from_config(saved["residual"], allowed)
     model = DecoderLM(ModelConfig.from_dict(saved["model_config"]), strategy)
     state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
     model.load_state_dict(state)

@@ -1,6 +1,6 @@
-"""Hyper-connections (Zhu et al., arXiv 2409.19606), n residual streams (SPEC F).
+"""Hyper-connections (Zhu et al., arXiv 2409.19606), n residual streams (docs/method.md F).
 
-variant="zhu" (default, SPEC F.1), static (SHC) or dynamic (DHC):
+variant="zhu" (default, docs/method.md F.1), static (SHC) or dynamic (DHC):
 
     H^0 = n copies of the embedding                                 H: [B, T, n, d]
     sublayer k:  u   = sum_i A_m[i] H_i                             width connection, reads the input
@@ -13,7 +13,7 @@ variant="zhu" (default, SPEC F.1), static (SHC) or dynamic (DHC):
     dynamic:     Hn = RMSNorm(H) per stream, A_m += s_a tanh(Hn W_m), A_r += s_a tanh(Hn W_r),
                  B += s_b tanh(Hn W_b)^T; W_* = 0, s_a = s_b = 0.01 at init, so it starts static.
 
-variant="mhar_code" (SPEC F.2) reproduces the MHAR authors' HC baseline: u = sum_r softmax(alpha)_r H_r,
+variant="mhar_code" (docs/method.md F.2) reproduces the MHAR authors' HC baseline: u = sum_r softmax(alpha)_r H_r,
 H'_j = sum_i A[j, i] H_i + beta_j y, collapse by the mean; alpha ~ N(0, 0.02), A = I + 0.02 noise,
 beta = e_0 + 0.02 noise; static only. It is not equivalent to a standard residual at init.
 """

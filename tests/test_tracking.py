@@ -1,0 +1,47 @@
+"""mhar_lit.tracking: the telemetry default, run names, and the tags `compare` groups by."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mhar_lit.residual import FullAttnRes, HyperConnections, StandardResidual
+from mhar_lit.tracking import local_store_path, method_label, run_name_method, tag_run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("given,expected", [(None, "true"), ("false", "false")])
+def test_telemetry_is_off_unless_the_user_says_otherwise(given, expected):
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_DISABLE_TELEMETRY"}
+    env.update({"PYTHONPATH": str(REPO), **({"MLFLOW_DISABLE_TELEMETRY": given} if given else {})})
+    code = "import os, mhar_lit.tracking; print(os.environ['MLFLOW_DISABLE_TELEMETRY'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == expected
+
+
+def test_method_names_for_tables_and_run_names():
+    assert method_label(StandardResidual()) == "StandardResidual"
+    assert method_label(FullAttnRes(heads=8)) == "FullAttnRes(heads=8)"
+    assert method_label(HyperConnections(streams=4)) == "HyperConnections(streams=4, dynamic=True, variant=zhu)"
+    assert run_name_method("mhar_lit.residual.FullAttnRes") == "FullAttnRes"
+    assert run_name_method(None) == "StandardResidual"
+    assert local_store_path("sqlite:///runs/mlflow.db") == "runs/mlflow.db"
+
+
+def test_tag_run_sets_the_tags_compare_groups_by(tmp_path):
+    from lightning.pytorch.loggers import MLFlowLogger
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/t.db"
+    logger = MLFlowLogger(experiment_name="t", tracking_uri=uri)
+
+    class Trainer:
+        loggers = [logger]
+        is_global_zero = True
+
+    tag_run(Trainer(), FullAttnRes(heads=2), "tiny", "7")
+    tags = MlflowClient(uri).get_run(logger.run_id).data.tags
+    assert (tags["method"], tags["seed"], tags["size"]) == ("FullAttnRes(heads=2)", "7", "tiny")
