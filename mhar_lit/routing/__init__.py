@@ -1,4 +1,4 @@
-"""Depth routing: the reference math (reference.py) and one router per mode and backend (routers.py).
+"""Depth routing: the reference math (reference.py) and one router per mode and backend (routers.py: interfaces; torch_routers.py, triton_routers.py; factory.py).
 
 Every attention-residual strategy reaches routing through a router made by `make_router(mode, backend, ...)`
 and never looks at the backend itself; the backend is chosen in one place (the RoutingBackend callback, or
@@ -31,7 +31,8 @@ query, norm_weight [D] -> [B, T, D].
 
 from mhar_lit.routing.reference import (block_mix, check_heads, compute_dtype, merge_partial, normalized_sources,
                                         route_reference, routing_keys, routing_logits, routing_weights)
-from mhar_lit.routing.routers import BACKENDS, MODES, CallRouter, DepthRouter, make_router, route
+from mhar_lit.routing.factory import make_router
+from mhar_lit.routing.routers import BACKENDS, MODES, CallRouter, DepthRouter, route
 
 __all__ = [
     "BACKENDS", "MODES", "CallRouter", "DepthRouter", "make_router", "route",
