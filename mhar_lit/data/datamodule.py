@@ -8,7 +8,8 @@ Lifecycle (Lightning calls these in order):
 - `__init__` only loads the tokenizer, so `vocab_size` and `eos_id` are known at once (LanguageModel.setup
   checks that the model's vocab_size covers it, naming model.model_overrides.vocab_size) and nothing
   distributed-sensitive happens yet.
-- `prepare_data` (local rank 0 of each node) tokenizes the inputs into the cache, or reuses it.
+- `prepare_data` (local rank 0 of each node) tokenizes the inputs into the cache, or reuses it after checking
+  every chunk against the checksums recorded at preparation (once per file per process).
 - `setup` builds the `StreamingDataset`s on every rank, after the process group exists, so litdata
   splits chunks across ranks (a dataset built earlier would give every rank the whole epoch).
 

@@ -73,8 +73,8 @@ def content_digests(paths: list[str], memo_file: Path | None) -> list[str]:
             memo[path], changed = entry, True
         digests.append(entry[1])
     if changed and memo_file is not None:
-        memo_file.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):  # a read-only cache still works, only slower
+            memo_file.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(memo_file, memo)
     return digests
 
