@@ -8,7 +8,8 @@ Lifecycle (Lightning calls these in order):
 - `__init__` only loads the tokenizer, so `vocab_size` and `eos_id` are known at once (LanguageModel.setup
   checks that the model's vocab_size covers it, naming model.model_overrides.vocab_size) and nothing
   distributed-sensitive happens yet.
-- `prepare_data` (local rank 0 of each node) tokenizes the inputs into the cache, or reuses it.
+- `prepare_data` (local rank 0 of each node) tokenizes the inputs into the cache, or reuses it after checking
+  every chunk against the checksums recorded at preparation (once per file per process).
 - `setup` builds the `StreamingDataset`s on every rank, after the process group exists, so litdata
   splits chunks across ranks (a dataset built earlier would give every rank the whole epoch).
 
@@ -31,7 +32,7 @@ import lightning as L
 import torch
 
 from mhar_lit.data.corpus import DEFAULT_MAX_CORPUS_BYTES
-from mhar_lit.data.prepare import DEFAULT_CHUNK_TOKENS, PreparedData, _input_files, prepare
+from mhar_lit.data.prepare import DEFAULT_CHUNK_TOKENS, PreparedData, _input_files, input_digests, prepare
 from mhar_lit.data.sources import InputError, find_optimized, is_valid_utf8, is_validation, iter_documents
 from mhar_lit.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -63,7 +64,8 @@ class TokenDataModule(L.LightningDataModule):
         seed: shuffle seed of the training stream; None (default) follows the run's seed_everything, so
             runs with the same seed see the same data order and different seeds differ in order too.
         shuffle: shuffle the training stream.
-        prep_workers: processes used to tokenize (default: min(8, CPUs, files)).
+        prep_workers: processes used to tokenize (default: 1 below 8 MB of input, else min(8, CPUs)); the
+            prepared tokens are the same for any value.
         chunk_tokens: tokens per litdata chunk file.
         strict: raise on a non-UTF-8 input file instead of skipping it.
     """
@@ -133,7 +135,8 @@ class TokenDataModule(L.LightningDataModule):
         if specs is not None and any(find_optimized(str(d)) for d in specs):
             raise InputError("a 'bpe:<vocab>' tokenizer cannot be trained from an already tokenized dataset")
         files = _input_files(specs, self.max_corpus_bytes)
-        payload = [[(f.path, f.size, f.mtime_ns) for f in files], self.text_field, self.val_fraction]
+        # Content, not mtime: touching an unchanged corpus must not retrain the tokenizer (and re-tokenize).
+        payload = [input_digests(files, self.cache_dir), self.text_field, self.val_fraction]
         key = hashlib.sha256(json.dumps(payload).encode()).hexdigest()
 
         def texts():
@@ -147,6 +150,8 @@ class TokenDataModule(L.LightningDataModule):
     # ------------------------------------------------------------ preparation
 
     def _prepare(self, build: bool) -> PreparedData:
+        """build=True (prepare_data: local rank 0 of each node, before setup) also verifies a reused cache's chunk
+        checksums; setup on every rank then finds the same files without reading them again."""
         return prepare(
             self.data,
             self.tokenizer,
@@ -158,6 +163,7 @@ class TokenDataModule(L.LightningDataModule):
             num_workers=self.prep_workers,
             strict=self.strict,
             build=build,
+            verify=build,
         )
 
     def prepare_data(self) -> None:

@@ -35,7 +35,7 @@ class InputError(ValueError):
 
 @dataclass(frozen=True)
 class InputFile:
-    """One raw input file; size and mtime make the preparation cache notice edits."""
+    """One raw input file (the preparation cache fingerprints its content, see prepare.input_digests)."""
 
     path: str
     size: int
@@ -166,15 +166,25 @@ def _iter_jsonl(path: str, text_field: str) -> Iterator[str]:
                 raise InputError(f"{path}:{line_no}: no field {text_field!r} in this record")
             text = record[text_field]
             if text is not None and not isinstance(text, str):
-                raise InputError(f"{path}:{line_no}: field {text_field!r} is {type(text).__name__}, not a string")
+                raise _not_a_string(path, f"line {line_no}", text_field, text)
             yield text
+
+
+def _not_a_string(path: str, where: str, text_field: str, value) -> InputError:
+    return InputError(f"{path}: {where}: field {text_field!r} is {type(value).__name__} ({value!r:.40}), not a string; "
+                      "every document's text must be a string (null or empty documents are skipped)")
 
 
 def _iter_parquet(path: str, text_field: str) -> Iterator[str]:
     import pyarrow.parquet as pq
 
+    row = 0
     for batch in pq.ParquetFile(path).iter_batches(columns=[text_field], batch_size=1024):
-        yield from batch.column(0).to_pylist()
+        for text in batch.column(0).to_pylist():
+            if text is not None and not isinstance(text, str):
+                raise _not_a_string(path, f"row {row}", text_field, text)
+            row += 1
+            yield text
 
 
 def iter_documents(path: str, text_field: str = "text") -> Iterator[str]:

@@ -3,7 +3,7 @@
 `load_tokenizer(spec)` accepts
 - `"bytes"`: byte-level, ids 0..255 are the UTF-8 bytes and 256 is EOS (vocab 257). No files.
 - a path to a Hugging Face `tokenizer.json` (for example Qwen3's). EOS defaults to `<|im_end|>` when
-  the vocabulary has it (SPEC J9: the Qwen3 reproduction appends id 151645 = `<|im_end|>`), else
+  the vocabulary has it (docs/method.md J9: the Qwen3 reproduction appends id 151645 = `<|im_end|>`), else
   `<|endoftext|>`; pass `eos` (a token string or an id) to override.
 - `"bpe:<vocab>"`: a byte-level BPE of that vocabulary size trained locally with `tokenizers` on
   the given texts and cached as a `tokenizer.json` under `cache_dir` (EOS is `<|endoftext|>`).
@@ -51,10 +51,10 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer loaded from a `tokenizer.json` file."""
 
-    def __init__(self, path: str | os.PathLike, eos: str | int | None = None):
+    def __init__(self, path: str | os.PathLike, eos: str | int | None = None, name: str | None = None):
         self.path = Path(path)
         self._eos_arg = eos
-        self.name = str(self.path)
+        self.name = name or str(self.path)  # what the user asked for (a trained BPE's file name holds a hash)
         self._load()
 
     def _load(self) -> None:
@@ -172,5 +172,5 @@ def load_tokenizer(
         path = Path(cache_dir) / "tokenizers" / f"bpe-{vocab}-{key}.json"
         if not path.is_file():
             train_bpe(bpe_texts(), vocab, path)
-        return HFTokenizer(path, eos=BPE_EOS if eos is None else eos)
+        return HFTokenizer(path, eos=BPE_EOS if eos is None else eos, name=spec)
     return HFTokenizer(spec, eos=eos)

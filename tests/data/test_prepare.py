@@ -1,6 +1,8 @@
 """Preparation: exact packed tokens, disjoint hash split, cache reuse/invalidation, atomic failures."""
 
 import logging
+import os
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,8 +25,8 @@ def run(data, cache, **kw):
 
 
 def cache_entries(cache):
-    """What a build left in the cache dir (finished datasets and temp dirs alike)."""
-    return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+    """What a build left in the cache dir (finished datasets and temp dirs alike), not the input-digest memo."""
+    return sorted(p.name for p in cache.iterdir() if p.name != prep_mod.DIGEST_MEMO) if cache.exists() else []
 
 
 def test_tokens_are_documents_plus_eos_packed_in_order(txt_corpus, tmp_path):
@@ -63,27 +65,34 @@ def test_validation_split_is_the_hashed_documents_and_disjoint(tmp_path):
     assert 20 <= len(val) <= 60  # about a fifth
 
 
-def test_two_workers_give_the_same_documents(tmp_path):
+def test_worker_count_changes_neither_the_tokens_nor_the_fingerprint(tmp_path, monkeypatch):
+    """1 and 2 preparation workers write byte-identical chunks: the stream is a function of the data only."""
+    monkeypatch.setattr(prep_mod, "BATCH_DOCS", 3)  # many small tasks in flight: completion order varies
     root = tmp_path / "corpus"
     root.mkdir()
-    docs = [f"file {i} says {'abc' * i}" for i in range(12)]
+    docs = [f"file {i} says {'abc' * i}" for i in range(40)]
     for i, d in enumerate(docs):
         (root / f"{i:02d}.txt").write_text(d)
-    one = run([str(root)], tmp_path / "c1", val_fraction=0.25)
-    two = run([str(root)], tmp_path / "c2", val_fraction=0.25, num_workers=2)
+    one = run([str(root)], tmp_path / "c1", val_fraction=0.25, chunk_tokens=64)
+    two = run([str(root)], tmp_path / "c2", val_fraction=0.25, chunk_tokens=64, num_workers=2)
+    assert Path(one.train_dir).parent.name == Path(two.train_dir).parent.name  # same fingerprint
     for split in ("train_dir", "val_dir"):
-        a = split_documents(read_tokens(getattr(one, split)))
-        b = split_documents(read_tokens(getattr(two, split)))
-        assert sorted(a) == sorted(b) and len(a) > 0
-    assert two.meta["stats"]["train"]["chunks"] == 2
+        a, b = Path(getattr(one, split)), Path(getattr(two, split))
+        assert read_tokens(a) == read_tokens(b) and len(read_tokens(a)) > 0
+        chunks = sorted(p.name for p in a.glob("chunk-*.bin"))
+        assert len(chunks) > 1 and chunks == sorted(p.name for p in b.glob("chunk-*.bin"))
+        assert all((a / c).read_bytes() == (b / c).read_bytes() for c in chunks)
+        assert (a / "index.json").read_bytes() == (b / "index.json").read_bytes()
+    expected_train = [d for d in docs if not is_validation(d, 0.25)]
+    assert split_documents(read_tokens(one.train_dir)) == expected_train  # input order, not worker order
 
 
 def test_cache_is_reused_and_invalidated_by_edits(txt_corpus, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     first = run([str(txt_corpus)], cache)
     calls = []
-    real = prep_mod._optimize_split
-    monkeypatch.setattr(prep_mod, "_optimize_split", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = prep_mod._build
+    monkeypatch.setattr(prep_mod, "_build", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     again = run([str(txt_corpus)], cache)
     assert again.train_dir == first.train_dir and calls == []  # no optimize: cache hit
@@ -98,6 +107,29 @@ def test_cache_is_reused_and_invalidated_by_edits(txt_corpus, tmp_path, monkeypa
     assert other_split.train_dir not in (first.train_dir, changed.train_dir)
     entries = cache_entries(cache)
     assert len(entries) == 3 and all(name.startswith("tokens-") for name in entries)  # no temp dirs left
+
+
+def test_touching_a_file_does_not_rebuild(txt_corpus, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    first = run([str(txt_corpus)], cache)
+    calls = []
+    real = prep_mod._build
+    monkeypatch.setattr(prep_mod, "_build", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for f in txt_corpus.iterdir():
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    again = run([str(txt_corpus)], cache)
+    assert again.train_dir == first.train_dir and calls == []
+
+
+def test_only_the_newest_builds_of_one_source_are_kept(txt_corpus, tmp_path):
+    cache = tmp_path / "cache"
+    other = run([str(txt_corpus)], cache, val_fraction=0.5)  # other settings: another source, never pruned
+    builds = []
+    for version in range(4):
+        (txt_corpus / "doc02.txt").write_text(f"short, version {version}")
+        builds.append(Path(run([str(txt_corpus)], cache).train_dir).parent.name)
+    kept = prep_mod.KEEP_COPIES
+    assert cache_entries(cache) == sorted(builds[-kept:] + [Path(other.train_dir).parent.name])
 
 
 def test_build_false_never_builds(txt_corpus, tmp_path):

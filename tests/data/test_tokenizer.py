@@ -26,7 +26,7 @@ def test_bytes_tokenizer_rejects_an_eos_override():
 def test_hf_tokenizer_prefers_im_end_then_endoftext(tmp_path):
     both = write_word_tokenizer(tmp_path / "both.json", ["<|endoftext|>", "<|im_end|>"])
     tk = load_tokenizer(str(both))
-    assert (tk.vocab_size, tk.eos_id) == (6, 5)  # <|im_end|>, as SPEC J9 requires for Qwen3
+    assert (tk.vocab_size, tk.eos_id) == (6, 5)  # <|im_end|>, as docs/method.md J9 requires for Qwen3
     only_eot = write_word_tokenizer(tmp_path / "eot.json", ["<|endoftext|>"])
     assert load_tokenizer(str(only_eot)).eos_id == 4
     assert load_tokenizer(str(both), eos="<|endoftext|>").eos_id == 4
