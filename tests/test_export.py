@@ -106,11 +106,10 @@ def _run_transformers(tmp: Path, jobs: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """Every strategy: checkpoint, export, our logits and greedy tokens, and transformers' results."""
+    """Every strategy: checkpoint, export, our logits and greedy tokens; plus the standard model as --format hf."""
     tmp = tmp_path_factory.mktemp("export")
     ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(1))
-    torch.save(ids, tmp / "ids.pt")
-    cases, jobs = {}, []
+    cases = {}
     for name in STRATEGIES:
         ckpt = _lightning_checkpoint(tmp / f"{name}.ckpt", name)
         out = export_checkpoint(ckpt, tmp / name, tokenizer="bytes", trust_pickle=True)
@@ -119,17 +118,23 @@ def exported(tmp_path_factory):
             logits = model(ids)
         cases[name] = {"ckpt": ckpt, "dir": out, "model": model, "logits": logits,
                        "greedy": _greedy(model, ids[:1, :PROMPT], NEW_TOKENS, ByteTokenizer.eos_id)}
-        jobs.append({"kind": "remote", "dir": str(out), "ids": str(tmp / "ids.pt"), "out": str(tmp / f"{name}.hf.pt"),
-                     "prompt": PROMPT, "new_tokens": NEW_TOKENS})
     plain = export_checkpoint(cases["standard"]["ckpt"], tmp / "standard-hf", format="hf", tokenizer="bytes",
                               trust_pickle=True)
-    jobs.append({"kind": "plain", "dir": str(plain), "ids": str(tmp / "ids.pt"), "out": str(tmp / "plain.hf.pt"),
-                 "prompt": PROMPT, "new_tokens": NEW_TOKENS})
     cases["plain"] = {"dir": plain, "logits": cases["standard"]["logits"], "greedy": cases["standard"]["greedy"]}
+    return {"tmp": tmp, "ids": ids, "cases": cases}
+
+
+@pytest.fixture(scope="module")
+def transformers_results(exported):
+    """What transformers computes from each export, in one process that cannot import mhar_lit."""
+    tmp = exported["tmp"]
+    torch.save(exported["ids"], tmp / "ids.pt")
+    names = [*STRATEGIES, "plain"]
+    jobs = [{"kind": "plain" if name == "plain" else "remote", "dir": str(exported["cases"][name]["dir"]),
+             "ids": str(tmp / "ids.pt"), "out": str(tmp / f"{name}.hf.pt"), "prompt": PROMPT,
+             "new_tokens": NEW_TOKENS} for name in names]
     _run_transformers(tmp, jobs)
-    for job, name in zip(jobs, [*STRATEGIES, "plain"]):
-        cases[name]["hf"] = torch.load(job["out"])
-    return {"ids": ids, "cases": cases}
+    return {name: torch.load(job["out"]) for name, job in zip(names, jobs)}
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
@@ -150,17 +155,28 @@ def test_load_pretrained_and_adapter_reproduce_the_checkpoint(exported, name):
 
 
 @pytest.mark.parametrize("name", [*STRATEGIES, "plain"])
-def test_transformers_without_mhar_lit_reproduces_logits_and_greedy_tokens(exported, name):
+def test_transformers_without_mhar_lit_reproduces_logits_and_greedy_tokens(exported, transformers_results, name):
     """AutoModelForCausalLM (remote code; `plain`: Qwen3ForCausalLM of --format hf) in a process that cannot import
     mhar_lit: logits within 1e-5 relative of our forward, generate() = our greedy decode by full forwards."""
-    case = exported["cases"][name]
-    hf = case["hf"]
+    case, hf = exported["cases"][name], transformers_results[name]
     assert hf["class"] == ("Qwen3ForCausalLM" if name == "plain" else "MharForCausalLM")
     assert hf["modules"] == []
     ours = case["logits"]
     torch.testing.assert_close(hf["logits"], ours, rtol=1e-5, atol=1e-5 * float(ours.abs().max()))
     assert hf["generated"] == case["greedy"]
     assert len(case["greedy"]) > PROMPT
+
+
+@pytest.mark.parametrize("name", ["full", "delta"])
+def test_probe_report_of_the_export_equals_the_checkpoints(exported, name):
+    """The probe's analysis (probe_model) reads the loaded export exactly as the checkpoint's model."""
+    from mhar_lit.analysis.probe import probe_model
+
+    ids = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(2))
+    case = exported["cases"][name]
+    reports = [probe_model(model, ids, null_draws=2, batch_size=2)[0]
+               for model in (case["model"], load_pretrained(case["dir"]))]
+    assert json.dumps(reports[0], sort_keys=True) == json.dumps(reports[1], sort_keys=True)
 
 
 def test_routing_is_not_uniform_in_the_exported_models(exported):
