@@ -272,7 +272,8 @@ def test_import_walk_flattens_packages_and_re_exports(tmp_path, monkeypatch):
     flat.mkdir()
     (flat / "__init__.py").write_text("")
     for module in modules:
-        (flat / f"{remote_code.flat_module_name(module)}.py").write_text(remote_code.flatten_source(module, set(modules)))
+        text = remote_code.flatten_source(module, set(modules))
+        (flat / f"{remote_code.flat_module_name(module)}.py").write_text(text)
     monkeypatch.syspath_prepend(str(tmp_path))
     import importlib
 
@@ -324,6 +325,8 @@ def test_cli_exports_a_real_fit_checkpoint(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "--format hf needs a standard-residual model" in err and "FullAttnRes" in err and err.count("\n") == 1
     assert not (tmp_path / "hf").exists()
+    assert export_main(["--ckpt", ckpt, "--to", str(Path(ckpt).parent), "--overwrite"]) == 1
+    assert "contains the checkpoint" in capsys.readouterr().err and Path(ckpt).is_file()
     assert export_main(["--ckpt", str(tmp_path / "missing.ckpt"), "--to", str(tmp_path / "x")]) == 1
     assert "checkpoint not found" in capsys.readouterr().err
 

@@ -41,7 +41,7 @@ def export_main(argv: Optional[list[str]] = None) -> int:
     try:
         out = export_checkpoint(args.ckpt, args.dst, dtype=args.dtype, overwrite=args.overwrite, format=args.format,
                                 tokenizer=args.tokenizer, trust_pickle=args.trust_checkpoint)
-    except (ConversionError, FileNotFoundError) as err:
+    except ConversionError as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 1
     print(f"export: wrote {out}")

@@ -98,6 +98,8 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, 
     if dtype is not None and dtype not in _DTYPES:
         raise ConversionError(f"unknown dtype {dtype!r}; choose one of {_DTYPES} (or none: the checkpoint's)")
     check_output(out_dir, overwrite)  # before loading a large checkpoint
+    if Path(out_dir).resolve() in Path(ckpt_path).resolve().parents:
+        raise ConversionError(f"output directory {out_dir} contains the checkpoint {ckpt_path}; choose another --to")
     model, settings = _load(str(ckpt_path), trust_pickle)
     if format == "hf" and type(model.residual).__name__ != "StandardResidual":
         raise ConversionError(f"--format hf needs a standard-residual model; {ckpt_path} has "

@@ -40,7 +40,8 @@ class MharConfig(PretrainedConfig):
         cfg = self.model_config
         derived = {"vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"],
                    "num_hidden_layers": cfg["num_layers"], "num_attention_heads": cfg["num_heads"],
-                   "num_key_value_heads": cfg["num_kv_heads"], "max_position_embeddings": cfg["max_position_embeddings"],
+                   "num_key_value_heads": cfg["num_kv_heads"],
+                   "max_position_embeddings": cfg["max_position_embeddings"],
                    "tie_word_embeddings": cfg["tie_embeddings"]}
         for key, value in derived.items():  # config.json repeats them for tools; model_config is what counts
             kwargs.pop(key, None)

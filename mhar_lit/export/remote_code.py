@@ -21,13 +21,15 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from mhar_lit.convert.hf_config import ConversionError
+
 PACKAGE = "mhar_lit"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 MODELING_FILE = "modeling_mhar.py"
 TEMPLATE_MODULE = f"{PACKAGE}.export.hf_modeling"
 
 
-class RemoteCodeError(ValueError):
+class RemoteCodeError(ConversionError):
     """A module whose imports the flat copy cannot express; the message names the file and line."""
 
 
@@ -130,14 +132,16 @@ def required_modules(roots: list[str]) -> list[str]:
     return list(roots) + sorted(seen - set(roots))
 
 
-def _replacement(node: ast.Import | ast.ImportFrom, module: str, where: str, included: set[str]) -> str | None:
+def _replacement(node: ast.Import | ast.ImportFrom, module: str, where: str,
+                 included: set[str]) -> list[str] | None:
     """The flat statements replacing one import (None: leave it), one per line."""
     targets = _targets(node, module, where)
     if not targets:
         return None
     missing = sorted({t for t, _, _ in targets if t not in included})
     if missing:  # a lazy import of an optional part (a kernel, Lightning): not part of the exported model
-        return (f"raise ImportError({missing[0] + ' is not part of this exported model (only its PyTorch path is)'!r})")
+        message = f"{missing[0]} is not part of this exported model (only its PyTorch path is)"
+        return [f"raise ImportError({message!r})"]
     lines = []
     for target, attribute, bound in targets:
         flat = flat_module_name(target)
@@ -163,8 +167,7 @@ def flatten_source(module: str, included: set[str]) -> str:
         if prefix.strip() or node.end_lineno is None:
             raise RemoteCodeError(f"{path}:{node.lineno}: an mhar_lit import that shares its line with other "
                                   "code cannot be rewritten")
-        body = new if isinstance(new, list) else [new]
-        edits.append((node.lineno, node.end_lineno, node.end_col_offset, prefix, body))
+        edits.append((node.lineno, node.end_lineno, node.end_col_offset, prefix, new))
     for start, end, end_col, prefix, body in sorted(edits, reverse=True):
         rest = lines[end - 1][end_col:]
         lines[start - 1 : end] = ["".join(f"{prefix}{stmt}\n" for stmt in body).rstrip("\n") + rest]
