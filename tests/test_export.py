@@ -179,6 +179,18 @@ def test_probe_report_of_the_export_equals_the_checkpoints(exported, name):
     assert json.dumps(reports[0], sort_keys=True) == json.dumps(reports[1], sort_keys=True)
 
 
+def test_the_template_also_works_inside_the_package(exported):
+    """hf_modeling.py, the source of modeling_mhar.py, loads an export as is when mhar_lit is installed."""
+    from mhar_lit.export.hf_modeling import MharForCausalLM
+
+    case = exported["cases"]["block"]
+    model = MharForCausalLM.from_pretrained(case["dir"]).eval()
+    with torch.no_grad():
+        assert torch.equal(model(exported["ids"]).logits, case["logits"])
+    with pytest.raises(ValueError, match="no padding support"):
+        model(exported["ids"], attention_mask=torch.tensor([[1] * 16, [0] + [1] * 15]))
+
+
 def test_routing_is_not_uniform_in_the_exported_models(exported):
     """The checks above would not see a wrong routing weight if every weight were equal: they are not."""
     model = exported["cases"]["full"]["model"]
@@ -329,6 +341,24 @@ def test_cli_exports_a_real_fit_checkpoint(tmp_path, monkeypatch, capsys):
     assert "contains the checkpoint" in capsys.readouterr().err and Path(ckpt).is_file()
     assert export_main(["--ckpt", str(tmp_path / "missing.ckpt"), "--to", str(tmp_path / "x")]) == 1
     assert "checkpoint not found" in capsys.readouterr().err
+
+
+def test_a_bf16_checkpoint_is_exported_in_bf16(tmp_path):
+    """bf16-true training stores bf16 weights: the default export keeps them bf16 (and exact)."""
+    from safetensors import safe_open
+
+    module = LanguageModel(size="tiny", residual=FullAttnRes(heads=4), model_overrides={"tie_embeddings": False})
+    module.to(torch.bfloat16)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.strategy.connect(module)
+    trainer.save_checkpoint(tmp_path / "bf16.ckpt")
+    out = export_checkpoint(tmp_path / "bf16.ckpt", tmp_path / "out", tokenizer="bytes", trust_pickle=True)
+    with safe_open(str(out / "model.safetensors"), "pt") as weights:
+        assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.bfloat16}
+        assert torch.equal(weights.get_tensor("residual.key_norm"), module.model.residual.key_norm)
+        assert torch.equal(weights.get_tensor("lm_head.weight"), module.model.lm_head.weight)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_a_checkpoint_without_tokenizer_settings_needs_one(tmp_path, exported):

@@ -29,8 +29,9 @@ FORMATS = ("mhar", "hf")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _load(ckpt: str, trust_pickle: bool) -> tuple[Any, dict[str, Any]]:
-    """The checkpoint's DecoderLM (eval mode) and its datamodule settings."""
+def _load(ckpt: str, trust_pickle: bool) -> tuple[Any, dict[str, Any], str]:
+    """The checkpoint's DecoderLM (eval mode, fp32), its datamodule settings and the dtype its weights are stored
+    in (bf16 for a bf16-true run: model_from_checkpoint builds an fp32 model, which holds them exactly)."""
     from mhar_lit.lit.module import model_from_checkpoint
 
     try:
@@ -39,7 +40,8 @@ def _load(ckpt: str, trust_pickle: bool) -> tuple[Any, dict[str, Any]]:
         raise ConversionError(str(err)) from None
     checkpoint = torch.load(str(ckpt), map_location="cpu", weights_only=not trust_pickle, mmap=True)
     settings = checkpoint.get("datamodule_hyper_parameters") or {}
-    return model, dict(settings) if isinstance(settings, dict) else {}
+    stored = next((t.dtype for t in checkpoint["state_dict"].values() if t.is_floating_point()), torch.float32)
+    return model, dict(settings) if isinstance(settings, dict) else {}, str(stored).removeprefix("torch.")
 
 
 def _transformers_config(meta: dict[str, Any], dtype: str, eos_id: int) -> dict[str, Any]:
@@ -70,13 +72,12 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _write_mhar(model: Any, out: Path, source: dict[str, Any], dtype: Optional[str], tokenizer: tuple) -> None:
+def _write_mhar(model: Any, out: Path, source: dict[str, Any], dtype: str, tokenizer: tuple) -> None:
     """Everything of format "mhar" into the (empty) directory `out`."""
     save_pretrained(model, out, source=source, dtype=dtype, overwrite=True)
     meta = json.loads((out / "mhar_config.json").read_text())
     eos_id = write_tokenizer(*tokenizer, out, model.config.vocab_size)
-    stored = dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
-    _write_json(out / "config.json", _transformers_config(meta, stored, eos_id))
+    _write_json(out / "config.json", _transformers_config(meta, dtype, eos_id))
     _write_json(out / "generation_config.json", {"eos_token_id": eos_id})
     strategy_module = meta["residual"]["class_path"].rpartition(".")[0]
     for name, text in remote_code_files(strategy_module).items():
@@ -100,7 +101,8 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, 
     check_output(out_dir, overwrite)  # before loading a large checkpoint
     if Path(out_dir).resolve() in Path(ckpt_path).resolve().parents:
         raise ConversionError(f"output directory {out_dir} contains the checkpoint {ckpt_path}; choose another --to")
-    model, settings = _load(str(ckpt_path), trust_pickle)
+    model, settings, stored = _load(str(ckpt_path), trust_pickle)
+    dtype = dtype or (stored if stored in _DTYPES else "float32")
     if format == "hf" and type(model.residual).__name__ != "StandardResidual":
         raise ConversionError(f"--format hf needs a standard-residual model; {ckpt_path} has "
                               f"{type(model.residual).__name__}, which transformers' Llama / Qwen3 cannot express "
