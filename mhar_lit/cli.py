@@ -35,6 +35,8 @@ TOOLS = {
     "convert": ("mhar_lit.convert:convert_main", "graft a strategy onto a Hugging Face model, or export back"),
     "lm_eval": ("mhar_lit.eval.lm_eval_adapter:lm_eval_main",
                 "lm-evaluation-harness on a converted directory (lm_eval's own flags)"),
+    "export": ("mhar_lit.export.cli:export_main",
+               "a trained checkpoint as a standalone directory (safetensors, tokenizer, transformers remote code)"),
 }
 
 
@@ -94,6 +96,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
 
     from mhar_lit.data.datamodule import TokenDataModule
     from mhar_lit.lit.callbacks import LogCheckpointArtifact, RoutingMonitor, SpeedMonitor, StepProgressBar
+    from mhar_lit.lit.checkpoint_io import AtomicCheckpointIO
     from mhar_lit.lit.module import LanguageModel
     from mhar_lit.lit.routing_backend import RoutingBackend
 
@@ -170,7 +173,8 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
         seed_everything_default=42,
         save_config_callback=MLflowSaveConfig,
         save_config_kwargs={"save_to_log_dir": False},
-        trainer_defaults={"callbacks": [LogCheckpointArtifact()]},
+        # checkpoints written next to their destination, fsynced, renamed, with a verified sha256 sidecar
+        trainer_defaults={"callbacks": [LogCheckpointArtifact()], "plugins": [AtomicCheckpointIO()]},
         parser_kwargs={"default_env": True, "prog": PROG},
         auto_configure_optimizers=False,
     )

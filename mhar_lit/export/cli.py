@@ -17,7 +17,7 @@ from typing import Optional
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mhar_lit.export", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m mhar_lit export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="a Lightning checkpoint (.ckpt) written by mhar_lit")
     p.add_argument("--to", dest="dst", required=True, help="output directory (written beside, then renamed)")
