@@ -64,3 +64,37 @@ def test_captured_callable_serves_its_shape_and_other_shapes_run_eagerly(monkeyp
     assert module._graphed_loss.graphed.calls == [(2, 8)] * 3 and module._graphed_loss.eager_batches == 1
     for (name, p), (_, q) in zip(module.named_parameters(), eager.named_parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)  # the same training, step for step
+
+
+def test_default_captures_where_valid_and_says_why_not_elsewhere(monkeypatch, caplog):
+    """cuda_graph None (the default): on the CPU the run trains eagerly and logs the reason once."""
+    module = LanguageModel(size="tiny", warmup_steps=1)
+    with caplog.at_level("INFO"):
+        _fit(module, [torch.randint(0, 256, (2, 9)) for _ in range(2)])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training steps:")]
+    assert lines == ["training steps: eager: the model is on cpu, CUDA graphs need a CUDA device"]
+    assert module._graphed_loss.decision is False and module._graphed_loss.graphed is None
+
+
+def test_default_takes_the_captured_path_when_capture_is_valid(monkeypatch):
+    """cuda_graph None with nothing against capture: the batches go through the captured callable."""
+    calls = []
+
+    def fake_make_graphed_callables(loss_module, sample_args, allow_unused_input=False):
+        def graphed(inputs, targets):
+            calls.append(inputs.shape)
+            return loss_module(inputs, targets)
+        return graphed
+
+    monkeypatch.setattr(cuda_graph, "capture_problems", lambda module: [])
+    monkeypatch.setattr(cuda_graph, "check_supported", lambda module: None)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_make_graphed_callables)
+    module = LanguageModel(size="tiny", warmup_steps=1)
+    _fit(module, [torch.randint(0, 256, (2, 9)) for _ in range(2)])
+    assert module._graphed_loss.decision is True and calls == [(2, 8), (2, 8)]
+
+
+def test_cuda_graph_false_and_compile_train_eagerly():
+    """An explicit `cuda_graph: false`, or `compile: true`, never builds the capture path."""
+    assert LanguageModel(size="tiny", cuda_graph=False)._graphed_loss is None
+    assert LanguageModel(size="tiny", compile=True)._graphed_loss is None

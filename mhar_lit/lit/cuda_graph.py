@@ -6,7 +6,10 @@ torch.cuda.make_graphed_callables, forward and backward replay as two graph laun
 (350M) and 2.3x (1B) faster, full MHAR likewise (benchmarks/results/train_step.md). The optimizer step,
 clipping and logging stay eager.
 
-What capture needs, checked at the first training batch (each a clear error, never a silent eager run):
+Capture is the default wherever it is valid (`cuda_graph: null`): the first training batch decides, and the
+path taken (captured, or eager and why) is logged once, as a log line and as the MLflow tag `train_path`.
+`cuda_graph: true` makes an invalid capture an error; `cuda_graph: false` trains eagerly.
+What capture needs, checked at the first training batch:
 CUDA; no autocast (use precision "bf16-true" or "32-true": autocast's weight cache cannot be captured);
 no activation checkpointing (torch.compile is refused by the constructor already); one process (DDP/FSDP
 with graphs are not tested here); no routing-weight recording inside the training forward (monitors run
@@ -40,8 +43,8 @@ class _LossModule(nn.Module):
         return ce, torch.logsumexp(flat, dim=-1).pow(2).mean()
 
 
-def check_supported(module) -> None:
-    """Raise if `module` (a LanguageModel inside its trainer) cannot be captured; see the module docstring."""
+def capture_problems(module) -> list[str]:
+    """Why `module` (a LanguageModel inside its trainer) cannot be captured; empty if it can."""
     problems = []
     if module.device.type != "cuda":
         problems.append(f"the model is on {module.device}, CUDA graphs need a CUDA device")
@@ -53,17 +56,38 @@ def check_supported(module) -> None:
         problems.append(f"{module.trainer.world_size} processes: cuda_graph is tested on one device only")
     if getattr(module.model.residual, "record_weights", False):
         problems.append("the residual strategy records routing weights inside the training forward")
+    return problems
+
+
+def check_supported(module) -> None:
+    """Raise if `module` cannot be captured; see the module docstring."""
+    problems = capture_problems(module)
     if problems:
         raise RuntimeError("cuda_graph=True cannot capture this run: " + "; ".join(problems))
 
 
 class GraphedLoss:
-    """Training loss (ce, z) of a LanguageModel through captured graphs, captured at the first batch."""
+    """Training loss (ce, z) of a LanguageModel through captured graphs, captured at the first batch.
 
-    def __init__(self) -> None:
+    required=False (cuda_graph: null): `active` decides once, at the first batch, whether this run can be
+    captured, logs the path taken, and training stays eager if it cannot. required=True: a run that cannot be
+    captured is an error."""
+
+    def __init__(self, required: bool = True) -> None:
+        self.required = required
         self.shape: Optional[torch.Size] = None
         self.graphed: Optional[Callable] = None
         self.eager_batches = 0
+        self.decision: Optional[bool] = None
+
+    def active(self, module) -> bool:
+        """Whether training batches go through the captured graphs (decided and logged at the first call)."""
+        if self.decision is None:
+            problems = [] if self.required else capture_problems(module)
+            self.decision = not problems
+            path = "captured (CUDA graphs)" if self.decision else "eager: " + "; ".join(problems)
+            _announce(module, path)
+        return self.decision
 
     def __call__(self, module, batch: Tensor) -> tuple[Tensor, Tensor]:
         inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
@@ -82,3 +106,16 @@ class GraphedLoss:
         out = self.graphed(inputs, targets)  # static output buffers: callers copy what they keep
         ce, z = out if isinstance(out, tuple) else (out, None)
         return ce, (z if z is not None else ce.new_zeros(()))
+
+
+def _announce(module, path: str) -> None:
+    """Say once, at the first training batch, how training steps run (log line, MLflow tag `train_path`)."""
+    from lightning.pytorch.loggers import MLFlowLogger
+    from lightning.pytorch.utilities import rank_zero_info
+
+    rank_zero_info(f"training steps: {path}")
+    if module._trainer is None or module.trainer.global_rank != 0:
+        return
+    for logger in module.trainer.loggers:
+        if isinstance(logger, MLFlowLogger):
+            logger.experiment.set_tag(logger.run_id, "train_path", path)

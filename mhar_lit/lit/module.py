@@ -69,7 +69,9 @@ class LanguageModel(L.LightningModule):
         activation_checkpointing: recompute sublayers in backward. compile: torch.compile the decoder.
         cuda_graph: capture the training forward and backward as CUDA graphs at the first batch (removes the
             per-kernel host cost that makes the paper's microbatches host-bound; needs CUDA, precision
-            "bf16-true" or "32-true", one device; see mhar_lit.lit.cuda_graph).
+            "bf16-true" or "32-true", one device; see mhar_lit.lit.cuda_graph). None (the default): capture
+            wherever that holds, else train eagerly; the path taken and why is logged once at the first batch.
+            True: capture or refuse the run; False: eager.
         tail_k: number of last validations averaged into val/tail_mean (the paper's metric uses 11).
         init_from: a directory written by `python -m mhar_lit convert` or a .safetensors file to start from.
     """
@@ -91,7 +93,7 @@ class LanguageModel(L.LightningModule):
         z_loss: float = 0.0,
         activation_checkpointing: bool = False,
         compile: bool = False,
-        cuda_graph: bool = False,
+        cuda_graph: Optional[bool] = None,
         tail_k: int = 11,
         init_from: Optional[str] = None,
     ) -> None:
@@ -114,10 +116,10 @@ class LanguageModel(L.LightningModule):
         if compile and cuda_graph:
             raise UserError("compile and cuda_graph are alternatives: set one of them")
         self._graphed_loss = None
-        if cuda_graph:
+        if cuda_graph is not False and not compile:
             from mhar_lit.lit.cuda_graph import GraphedLoss
 
-            self._graphed_loss = GraphedLoss()
+            self._graphed_loss = GraphedLoss(required=bool(cuda_graph))
         if compile:
             self.model.compile()  # in place: no second module path in the state dict, hooks (FSDP) still run
 
@@ -134,7 +136,7 @@ class LanguageModel(L.LightningModule):
         return ce, z, targets.numel()
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        if self._graphed_loss is not None:
+        if self._graphed_loss is not None and self._graphed_loss.active(self):
             ce, z = self._graphed_loss(self, batch)
         else:
             ce, z, _ = self._loss(batch)
