@@ -62,6 +62,6 @@ def test_compare_does_not_create_a_store_at_a_mistyped_uri(tmp_path):
     ("postgresql://user@host/db", None),
 ])
 def test_local_store_path_of_each_uri_form(uri, path):
-    from mhar_lit.cli import local_store_path
+    from mhar_lit.tracking import local_store_path
 
     assert local_store_path(uri) == path
