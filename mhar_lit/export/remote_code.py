@@ -11,8 +11,9 @@ relative flat ones:
     from mhar_lit.residual import base            ->  from . import mhar_residual_base as base   (a submodule)
     import mhar_lit.config as config             ->  from . import mhar_config as config
 
-Imports inside functions lead to optional parts (Triton kernels, Lightning): one whose module is not in the
-walked set becomes `raise ImportError(...)` naming it, so the export never imports mhar_lit and transformers'
+Imports inside functions are followed too (the routing factory picks its implementation lazily), except into
+modules that need an optional package at import time (Triton kernels, Lightning): such an import becomes
+`raise ImportError(...)` naming it, so the export never imports mhar_lit and transformers'
 import check (which reads every import statement of the file) asks for nothing but torch and transformers.
 """
 
@@ -116,19 +117,47 @@ def _parse(module: str) -> tuple[Path, str, ast.Module]:
     return path, text, ast.parse(text, filename=str(path))
 
 
+# Third-party packages of the optional parts (kernels, training, tracking): a module that imports one at module
+# level is left out of an export, and lazy imports of it become `raise ImportError`.
+OPTIONAL_PACKAGES = frozenset({"triton", "lightning", "litdata", "mlflow", "jsonargparse", "torchmetrics"})
+
+
+def _needs_optional_package(module: str, seen: frozenset[str] = frozenset()) -> bool:
+    """Whether importing `module` imports an optional package, directly or through mhar_lit modules."""
+    path, _, tree = _parse(module)
+    for node in _module_level_imports(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            names = []
+        else:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        if any(name.split(".")[0] in OPTIONAL_PACKAGES for name in names):
+            return True
+        for target, _, _ in _targets(node, module, str(path)):
+            if target not in seen and module_path(target) is not None and \
+                    _needs_optional_package(target, seen | {module}):
+                return True
+    return False
+
+
 def required_modules(roots: list[str]) -> list[str]:
-    """Every mhar_lit module the roots import at module level, transitively (roots first, then sorted)."""
+    """Every mhar_lit module the roots import at module level, transitively, plus those imported inside
+    functions (a factory's lazy choice of implementation) unless they need an optional package (roots first,
+    then sorted)."""
     seen, queue = set(roots), list(roots)
     while queue:
         module = queue.pop()
         path, _, tree = _parse(module)
-        for node in _module_level_imports(tree):
+        eager = {id(node) for node in _module_level_imports(tree)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
             for target, _, _ in _targets(node, module, str(path)):
                 if module_path(target) is None:
                     raise RemoteCodeError(f"{path}:{node.lineno}: imports {target!r}, which has no source file")
-                if target not in seen:
-                    seen.add(target)
-                    queue.append(target)
+                if target in seen or (id(node) not in eager and _needs_optional_package(target)):
+                    continue
+                seen.add(target)
+                queue.append(target)
     return list(roots) + sorted(seen - set(roots))
 
 
