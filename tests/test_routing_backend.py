@@ -14,7 +14,7 @@ from capture_logger import CaptureLogger
 
 from mhar_lit.lit.module import LanguageModel
 from mhar_lit.lit.routing_backend import RoutingBackend
-from mhar_lit.residual import BlockAttnRes, FullAttnRes, StandardResidual
+from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes, StandardResidual
 
 
 def _fit(residual, callback, steps=2):
@@ -131,3 +131,43 @@ def test_zero_tolerance_runs_the_check_strictly():
     assert logger.metrics["routing_check_tolerance"] == 0.0
     expected = "torch (fallback after failed check)" if logger.metrics["routing_check_rel_err"] > 0 else "triton"
     assert logger.params["routing_backend"] == expected
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward, gradient times 1.01 backward: a backward error that no forward comparison sees."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.01
+
+
+@pytest.mark.parametrize("residual", [lambda: FullAttnRes(heads=4), lambda: BlockAttnRes(heads=2, layers_per_block=1),
+                                      lambda: DeltaAttnRes(heads=2, layers_per_block=1)], ids=["full", "block", "delta"])
+def test_router_check_on_random_queries_is_logged_and_passes(residual):
+    """The router check (random queries, forward and backward) runs at the model's shape and passes for the
+    real kernels: every compared tensor within 2x the fp32 PyTorch router's own error (plus 1e-6)."""
+    callback = RoutingBackend(backend="triton")
+    _, logger = _fit(residual(), callback, steps=1)
+    assert 0 <= logger.metrics["routing_check_router_worst_ratio"] <= 1
+    for name in ("output", "grad_embedding", "grad_query", "grad_norm"):
+        assert logger.metrics[f"routing_check_router_{name}_eager_rel_err"] > 0  # fp32 vs float64: a real error
+
+
+@pytest.mark.parametrize("router_class", ["FullRouter", "BlockRouter"])
+def test_a_backward_error_fails_the_check_although_the_logits_agree(monkeypatch, router_class):
+    """At step 0 every query is zero and the logits comparison cannot see a wrong gradient; the router check can."""
+    from mhar_lit.routing import triton_routers
+
+    original = getattr(triton_routers, router_class).route
+
+    def route(self, state, site):
+        return _ScaleGradient.apply(original(self, state, site))
+
+    monkeypatch.setattr(getattr(triton_routers, router_class), "route", route)
+    residual = FullAttnRes(heads=4) if router_class == "FullRouter" else BlockAttnRes(heads=2, layers_per_block=1)
+    with pytest.raises(RuntimeError, match="routing on random queries, forward and backward: grad_embedding"):
+        _fit(residual, RoutingBackend(backend="triton"), steps=1)

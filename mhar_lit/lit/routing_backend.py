@@ -3,9 +3,13 @@ backend, sets it on the strategy (RoutedResidual.set_routing_backend), checks it
 and logs it. Strategies take no backend argument, so nothing in the model config competes with this choice.
 
 backend="auto" uses the fused Triton kernels on CUDA and the PyTorch reference elsewhere. When Triton is
-selected, the first real training batch is run through both backends (no grad) and the logits compared;
-a mismatch beyond the tolerance is an error unless `fallback=True`, in which case the run continues on
-the reference and says so loudly (warning + logged tag). Nothing is ever switched silently.
+selected, the first real training batch is checked twice:
+- the model's logits through both backends (no grad), which catches an integration error;
+- the router alone at the model's shape (width, sites, heads, mode, dtype, kernel config) on random routing
+  parameters, forward and backward (mhar_lit.routing.check): the model's own queries start at zero, where every
+  routing weight is uniform and a wrong per-head logit or any backward error would pass the first comparison.
+A failed check is an error unless `fallback=True`, in which case the run continues on the reference and says so
+loudly (warning + logged tag). Nothing is ever switched silently.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ import lightning as L
 import torch
 
 from mhar_lit.residual.attnres import RoutedResidual
+from mhar_lit.routing.check import compare_with_reference
 
 log = logging.getLogger(__name__)
 
 CHOICES = ("auto", "torch", "triton")
+ROUTER_CHECK_TOKENS = 64  # tokens of the first sequence in the router check: its float64 reference keeps every
+# site's source stack for the backward (O(sites^2) rows), ~2 GB at the 1B shape with 64 tokens
 
 
 def triton_available() -> bool:
@@ -61,6 +68,17 @@ def compare_backends(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[st
         result["nonfinite"] = nonfinite
         result["error"] = f"non-finite logits from {' and '.join(nonfinite)}"
     return result
+
+
+def check_router(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[str, object]:
+    """The router check of mhar_lit.routing.check at this model's shape, with its triton kernel config."""
+    residual = model.residual
+    with torch.no_grad():
+        embedding = model.embed_tokens(input_ids[:1, :ROUTER_CHECK_TOKENS])
+    kernel_config = residual.routing_choice[1] if residual.routing_mode != "call" else None
+    return compare_with_reference(residual.routing_mode, "triton", residual.heads, embedding,
+                                  residual.query.shape[0], residual.query.dtype, residual.eps,
+                                  residual.router_options(), kernel_config)
 
 
 def is_sharded(trainer: L.Trainer) -> bool:
@@ -129,6 +147,12 @@ class RoutingBackend(L.Callback):
         tolerance = self.tolerance if self.tolerance is not None else (1e-4 if dtype == torch.float32 else 5e-2)
         try:
             result = compare_backends(pl_module.model, batch[: self.check_sequences, :-1])
+            if "error" not in result:
+                router = check_router(pl_module.model, batch[:, :-1])
+                result.update({f"router_{k}": v for k, v in router.items() if k not in ("passed", "failed")})
+                if not router["passed"]:
+                    result["error"] = ("routing on random queries, forward and backward: "
+                                       + "; ".join(router["failed"]))
         except Exception as err:  # a kernel that cannot run is a failed check, subject to `fallback`
             result = {"rel_err": float("inf"), "error": f"{type(err).__name__}: {err}"}
         self.report.update({f"routing_check_{k}": v for k, v in result.items()})
