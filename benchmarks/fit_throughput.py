@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's mhar_lit, for the FLOP count
 METHOD_FILES = {"baseline": "baseline.yaml", "mhar": "mhar.yaml", "block": "block-mhar.yaml"}
 SIZES = ("100M", "350M", "1B")
 # capture/compilation (SpeedMonitor's 2 skipped steps) + 3 warm-up steps + the timed steps; 1B steps take about
