@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -153,6 +154,13 @@ def run_fit(label: dict, repeat: int, args, work_root: Path, shape: dict) -> dic
     except Exception as exc:  # keep the other fits: the report says what went wrong with this one
         result["error"] = f"{type(exc).__name__}: {exc}"
     return result
+
+
+def expected_wall(fits: list[dict], label: dict) -> float:
+    """Seconds the next fit of `label` will likely take: its last fit's (the first one of a label also compiles
+    kernels and prepares data), else the longest fit so far."""
+    same = [f["wall_s"] for f in fits if f["label"] == label["name"]]
+    return same[-1] if same else max((f["wall_s"] for f in fits), default=0.0)
 
 
 def max_steps_for(size: str, override: Optional[int]) -> int:
@@ -398,6 +406,8 @@ def parse_args(argv: Optional[list[str]] = None):
     p.add_argument("--out", default="fit_throughput.json")
     p.add_argument("--workdir", help="where the fits' stores, logs and the shared data cache go (default: a temp dir)")
     p.add_argument("--fit-timeout", type=float, default=900.0, help="seconds before one fit is stopped")
+    p.add_argument("--time-budget", type=float, help="seconds for this script: no fit is started that would likely end "
+                                                     "after it (judged by earlier fits); the report says so")
     p.add_argument("--allow-dirty", action="store_true", help="run on a tree with uncommitted changes (recorded)")
     p.add_argument("--commit", help="the commit of a tree copied without its git history (recorded as stated)")
     p.add_argument("--dry-run", action="store_true", help="print the fit commands and exit")
@@ -410,12 +420,17 @@ def parse_args(argv: Optional[list[str]] = None):
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
+    start = time.time()
     args = parse_args(argv)
     if args.digest:
         print(source_digest())
         return {}
     labels = parse_labels(args)
-    work_root = Path(args.workdir or tempfile.mkdtemp(prefix="fit_throughput_")).resolve()
+    if args.workdir:
+        work_root = Path(args.workdir).resolve()
+    else:
+        work_root = Path(tempfile.gettempdir(), "fit_throughput_TMP") if args.dry_run else \
+            Path(tempfile.mkdtemp(prefix="fit_throughput_"))
     order = fit_order(labels, args.repeats)
     if args.dry_run:
         for label, repeat in order:
@@ -435,17 +450,24 @@ def main(argv: Optional[list[str]] = None) -> dict:
                            "max_steps": {lb["name"]: max_steps_for(lb["size"], args.max_steps) for lb in labels},
                            "extra": args.extra, "keep_data": args.keep_data, "workdir": str(work_root)},
               "shapes": {}, "fits": [], "summary": {}}
-    for label in labels:
-        report["shapes"][label["name"]] = label_shape(resolved_config(label["config"], args), env)
+    with ThreadPoolExecutor(max_workers=4) as pool:  # one LightningCLI start each: run them side by side
+        configs = list(pool.map(lambda label: resolved_config(label["config"], args), labels))
+    for label, config in zip(labels, configs):
+        report["shapes"][label["name"]] = label_shape(config, env)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for label, repeat in order:
+        if args.time_budget and time.time() - start + expected_wall(report["fits"], label) > args.time_budget:
+            report["stopped"] = f"time budget of {args.time_budget:.0f} s: {label['name']} repeat {repeat} and later not run"
+            print(report["stopped"], flush=True)
+            break
         fit = run_fit(label, repeat, args, work_root, report["shapes"][label["name"]])
         report["fits"].append(fit)
         state = f"{fit['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in fit else f"FAILED ({fit.get('rc')})"
         print(f"{label['name']} repeat {repeat}: {state}, {fit['wall_s']} s", flush=True)
         report["summary"] = aggregate(labels, report["fits"])
         out.write_text(json.dumps(report, indent=1))
+    out.write_text(json.dumps(report, indent=1))
     print(f"\n{env['device']}, torch {env['torch']}, commit {git['commit']} (clean: {git['clean']}); {out}")
     print(table_text(report["summary"]))
     return report
