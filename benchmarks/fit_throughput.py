@@ -48,8 +48,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's mhar_lit, for the FLOP count
 METHOD_FILES = {"baseline": "baseline.yaml", "mhar": "mhar.yaml", "block": "block-mhar.yaml"}
 SIZES = ("100M", "350M", "1B")
-# capture/compilation (SpeedMonitor's 2 skipped steps) + 3 warm-up steps + the timed steps; 1B steps take about
-# twice as long (16 micro-batches of 2 x 1024 against 8 of 8 x 2048 / 4 x 1024), so fewer are timed there.
+# capture/compilation (SpeedMonitor's 2 skipped steps) + 3 warm-up steps + the timed steps (10, and 7 at 1B, whose
+# steps take about twice as long: 16 eager micro-batches of 2 x 1024 against 8 of 8 x 2048 or 4 x 1024).
 DEFAULT_MAX_STEPS = {"100M": 15, "350M": 15, "1B": 12}
 FALLBACK_MAX_STEPS = 15
 SKIP_STEPS = 2  # SpeedMonitor.skip_steps, passed explicitly so the parsing below does not depend on its default
@@ -96,9 +96,10 @@ def read_history(tracking_uri: str) -> dict[str, Any]:
 def steady_values(history: dict[int, float], first_step: int) -> list[float]:
     """The per-step values logged at MLflow step >= first_step, in step order.
 
-    With `speed.every_n_steps 1` SpeedMonitor logs at step s the window that ended with optimizer step s + 1.
-    Under gradient accumulation its first two windows are partial (one micro-batch, then the rest of that
-    step), so first_step must be at least skip_steps + 2; later windows are whole optimizer steps."""
+    With `speed.every_n_steps 1` SpeedMonitor logs at step s the window that ended with optimizer step s + 1,
+    from s = skip_steps on. Under gradient accumulation it logs twice more before that, partial windows: at
+    skip_steps - 1 (one micro-batch) and skip_steps (the rest of that optimizer step); so first_step >=
+    skip_steps + 1 keeps whole optimizer steps only, with or without accumulation."""
     return [history[s] for s in sorted(history) if s >= first_step]
 
 
@@ -236,8 +237,8 @@ def label_shape(config: dict, env: dict) -> dict[str, Any]:
     else:
         shape["peak_flops"], shape["peak_flops_source"] = None, "none known for this device"
     shape["peak_flops_lightning"] = lightning_peak
-    if world:
-        shape["peak_flops"] = shape["peak_flops"] and shape["peak_flops"] * world
+    if shape["peak_flops"] and world:
+        shape["peak_flops"] *= world  # tokens/s is the whole job's
     return shape
 
 
@@ -399,8 +400,8 @@ def parse_args(argv: Optional[list[str]] = None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-steps", type=int, help=f"trainer.max_steps of every fit (default per size: {DEFAULT_MAX_STEPS}, "
                                                  f"else {FALLBACK_MAX_STEPS})")
-    p.add_argument("--warmup", type=int, default=3, help="optimizer steps after SpeedMonitor's skip_steps left out "
-                                                          "(>= 2: the first two windows of an accumulating run are partial)")
+    p.add_argument("--warmup", type=int, default=3, help="logged steps after SpeedMonitor's skip_steps left out "
+                                                          "(>= 1: an accumulating run's window at skip_steps is partial)")
     p.add_argument("--extra", default="", help='CLI overrides appended to every fit, e.g. "--model.cuda_graph true"')
     p.add_argument("--keep-data", action="store_true", help="read the configs' own corpus and tokenizer")
     p.add_argument("--out", default="fit_throughput.json")
@@ -413,8 +414,8 @@ def parse_args(argv: Optional[list[str]] = None):
     p.add_argument("--dry-run", action="store_true", help="print the fit commands and exit")
     p.add_argument("--digest", action="store_true", help="print the source digest of this checkout and exit")
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 2 or (args.max_steps is not None and args.max_steps < 1):
-        p.error("--repeats >= 1, --warmup >= 2 and --max-steps >= 1 are required")
+    if args.repeats < 1 or args.warmup < 1 or (args.max_steps is not None and args.max_steps < 1):
+        p.error("--repeats >= 1, --warmup >= 1 and --max-steps >= 1 are required")
     args.extra = shlex.split(args.extra)
     return args
 

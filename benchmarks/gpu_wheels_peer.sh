@@ -5,6 +5,9 @@
 # lightning, psutil, safetensors, tokenizers, torch, tqdm) are in its image or in the base wheels; its extras
 # (lightning-thunder is only in `compiler`) are not needed to build and train its GPT.
 # The script lists every hard requirement of the downloaded wheels and fails on one that neither covers.
+# Versions are not matched: litgpt 0.5.13 pins huggingface-hub<1.4, jsonargparse<=4.41 and psutil==7.2.2, and the
+# GPU machine has huggingface-hub 1.33 and jsonargparse 4.53 (base wheels); with --no-deps pip does not check, and
+# `import litgpt`, its Qwen3 GPT and training steps were checked with huggingface-hub 2.4 and jsonargparse 4.53.
 #
 # Usage, from the repository root:   bash benchmarks/gpu_wheels_peer.sh [DEST]     (DEST defaults to .whl_peer)
 #   Idempotent: a wheel already in DEST is kept. Prints the total size and the install line.
@@ -25,7 +28,7 @@ for pin in "${PINS[@]}"; do
   if ! ls "$DEST"/"${name//-/_}"-"$version"-*.whl > /dev/null 2>&1; then
     "$PYTHON" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 --platform any -d "$DEST" "$pin"
+      --platform manylinux2014_x86_64 --platform any -d "$DEST" "$pin" 2> >(grep -v "^WARNING: Location" >&2)
   fi
 done
 

@@ -62,18 +62,20 @@ def test_demo_fit_end_to_end(tmp_path):
     out = tmp_path / "fit.json"
     cmd = [sys.executable, str(SCRIPT), "--configs", "demo=configs/demo.yaml", "--max-steps", "6", "--repeats", "1",
            "--warmup", "2", "--allow-dirty", "--out", str(out), "--workdir", str(tmp_path / "work"),
-           "--extra", "--data.batch_size 2 --data.seq_len 32 --data.max_corpus_bytes 200000"]
+           "--extra", "--data.batch_size 2 --data.seq_len 32 --data.max_corpus_bytes 200000 "
+           "--trainer.accumulate_grad_batches 2"]  # accumulation, as in the shipped recipes
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     fit = report["fits"][0]
     assert fit["rc"] == 0 and fit["status"] == "FINISHED", fit.get("error")
     assert "-m mhar_lit fit --config configs/demo.yaml" in fit["command"] and "--speed.every_n_steps 1" in fit["command"]
-    # steps 2..5 logged; 4 and 5 are after skip_steps (2) + warmup (2)
-    assert sorted(int(s) for s in fit["history"]["train/tokens_per_s"]) == [2, 3, 4, 5]
+    # whole optimizer steps are logged at steps 2..5, plus a partial window at step 1 (accumulation);
+    # 4 and 5 are after skip_steps (2) + warmup (2)
+    assert sorted(int(s) for s in fit["history"]["train/tokens_per_s"]) == [1, 2, 3, 4, 5]
     assert fit["timed_steps"] == 2 and fit["tokens_per_s"] > 0
     shape = report["shapes"]["demo"]
-    assert shape["tokens_per_step"] == 2 * 32 and shape["flops_per_token"] == pytest.approx(shape["flops_per_token_6n"], rel=2e-3)
+    assert shape["tokens_per_step"] == 2 * 32 * 2 and shape["flops_per_token"] == pytest.approx(shape["flops_per_token_6n"], rel=2e-3)
     summary = report["summary"]["demo"]
     assert summary["tokens_per_s"]["median"] > 0 and summary["fits_ok"] == 1
     assert "fit_throughput.py" in report["command"] and "--configs" in report["command"]
