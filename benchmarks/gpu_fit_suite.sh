@@ -45,6 +45,7 @@ while (( $# )); do
   esac
   shift
 done
+case "$SIZE" in 100M|350M|1B) ;; *) echo "SIZE must be 100M, 350M or 1B, got $SIZE" >&2; exit 2 ;; esac
 OUT=${OUT:?OUT must name the folder for the results}
 WORK=/tmp/fit_suite
 mkdir -p "$WORK" "$OUT"
@@ -63,10 +64,10 @@ left() { echo $(( T0 + $1 - $(date +%s) )); }  # seconds until second $1 of the 
 if (( PEER )); then
   # the comparison first (eager litgpt, our eager and captured steps), then litgpt as its pretrain runs it (compiled)
   timeout -k 5 "$(left 110)" python3 benchmarks/peer_step.py --sizes 100M 350M 1B --variants litgpt ours ours_graph \
-    --rounds 5 --steps 3 --out "$OUT/peer_step.json" > "$OUT/peer_step.log" 2>&1
+    --rounds 5 --steps 3 ${COMMIT:+--commit $COMMIT} --out "$OUT/peer_step.json" > "$OUT/peer_step.log" 2>&1
   echo "peer_step rc=$? at $(( $(date +%s) - T0 )) s"
   timeout -k 5 "$(left 200)" python3 benchmarks/peer_step.py --sizes 100M 350M 1B --variants litgpt_compile ours \
-    --rounds 3 --steps 3 --out "$OUT/peer_compile.json" >> "$OUT/peer_step.log" 2>&1
+    --rounds 3 --steps 3 ${COMMIT:+--commit $COMMIT} --out "$OUT/peer_compile.json" >> "$OUT/peer_step.log" 2>&1
   echo "peer_step (compile) rc=$? at $(( $(date +%s) - T0 )) s"
 fi
 

@@ -296,7 +296,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, fallback_tflops: Option
 
 # ------------------------------------------------------------------ report and command line
 
-def environment(device: torch.device) -> dict[str, Any]:
+def environment(device: torch.device, stated_commit: Optional[str]) -> dict[str, Any]:
     import lightning
 
     info = {"python": sys.version.split()[0], "torch": torch.__version__, "lightning": lightning.__version__,
@@ -309,11 +309,17 @@ def environment(device: torch.device) -> dict[str, Any]:
             info[name] = version(name)
         except PackageNotFoundError:
             info[name] = None
+    if stated_commit:  # a tree copied without its history states its commit
+        info["commit"], info["commit_source"] = stated_commit, "stated (--commit)"
+        return info
     try:
         info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                         check=True).stdout.strip()
+        info["clean"] = not subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                           capture_output=True, text=True, check=True).stdout.strip()
+        info["commit_source"] = "git rev-parse HEAD"
     except (OSError, subprocess.CalledProcessError):
-        info["commit"] = None
+        info["commit"], info["commit_source"] = None, "no git repository"
     return info
 
 
@@ -340,6 +346,7 @@ def parse_args(argv: Optional[list[str]] = None):
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="dense peak of the card where Lightning has none (989: bf16 H100 SXM / H200)")
     p.add_argument("--out", default="peer_step.json")
+    p.add_argument("--commit", help="the commit of a tree copied without its git history (recorded as stated)")
     args = p.parse_args(argv)
     if min(args.rounds, args.steps) < 1 or args.warmup < 1:
         p.error("--rounds, --steps and --warmup must be >= 1")
@@ -353,7 +360,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         raise SystemExit("no CUDA device: pass --device cpu (with --sizes tiny) for a check of the script")
     if any(v.startswith("litgpt") for v in args.variants):
         import_litgpt()  # fail before any model is built
-    report = {**environment(device), "dtype": args.dtype, "rounds": args.rounds, "steps": args.steps,
+    report = {**environment(device, args.commit), "dtype": args.dtype, "rounds": args.rounds, "steps": args.steps,
               "warmup": args.warmup, "sizes": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
