@@ -8,3 +8,22 @@ imports mhar_lit.kernels (pytest may collect top-level test files before tests/k
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
+
+
+import random  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from seeds import draw_seed  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seeded_global_rngs():
+    """Every test starts from global RNGs seeded by its own fixed seed (tests/seeds.py), so a test's draws do not
+    depend on which tests ran before it; MHAR_RANDOM_SEEDS=1 draws fresh seeds instead."""
+    seed = draw_seed()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    yield

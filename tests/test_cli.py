@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 import torch
 from lightning.pytorch import Callback
 
@@ -33,12 +34,21 @@ def test_every_shipped_config_parses_with_the_real_cli(config, capsys):
 
 @pytest.mark.parametrize("overlay", METHOD_OVERLAYS, ids=lambda c: os.path.basename(c))
 def test_method_overlays_layer_on_the_demo(overlay, capsys):
-    with pytest.raises(SystemExit):
-        build_cli(["--config", str(REPO / "configs/demo.yaml"), "--config", overlay, "--print_config"],
-                  run=False)
-    printed = capsys.readouterr().out
-    expected = [line.split(":", 1)[1].strip() for line in Path(overlay).read_text().splitlines() if "class_path" in line]
-    assert expected and expected[0] in printed
+    """The overlay's residual (class path and every init arg) is what the resolved config holds, and it differs from
+    the demo's own residual: ignoring the overlay would fail this test."""
+    def resolved_residual(*configs):
+        args = [a for c in configs for a in ("--config", c)]
+        with pytest.raises(SystemExit):
+            build_cli([*args, "--print_config"], run=False)
+        return yaml.safe_load(capsys.readouterr().out)["model"]["residual"]
+
+    demo = resolved_residual(str(REPO / "configs/demo.yaml"))
+    layered = resolved_residual(str(REPO / "configs/demo.yaml"), overlay)
+    wanted = yaml.safe_load(Path(overlay).read_text())["model"]["residual"]
+    assert layered["class_path"] == wanted["class_path"]
+    for key, value in (wanted.get("init_args") or {}).items():
+        assert layered["init_args"][key] == value, key
+    assert layered != demo
 
 
 class RecordLosses(Callback):

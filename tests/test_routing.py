@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from mhar_lit.routing import route, routing_weights
+from seeds import draw_seed
 
 
 def _random_case(n=5, b=2, t=3, d=16, dtype=torch.float64, seed=None):
-    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(seed if seed is not None else draw_seed())
     sources = torch.randn(n, b, t, d, generator=g, dtype=torch.float64) * (1 + torch.rand(n, 1, 1, 1, generator=g, dtype=torch.float64) * 3)
     query = torch.randn(d, generator=g, dtype=torch.float64)
     norm_weight = 1 + 0.3 * torch.randn(d, generator=g, dtype=torch.float64)
