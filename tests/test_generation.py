@@ -152,11 +152,72 @@ def test_decode_step_has_fixed_shapes_and_the_cache_refuses_overflow():
         for _ in range(3):
             model(torch.tensor([[5], [6]]), cache)
             seen.append((cache.keys.shape, cache.key_valid.shape))
-        assert len(set(seen)) == 1 and cache.length == 6
+        assert len(set(seen)) == 1 and int(cache.write_index) == 6
         assert cache.key_valid.tolist() == [[True] * 6, [False, False, True, True, True, True]]
         assert cache.next_position.tolist() == [6, 4]
-        with pytest.raises(ValueError, match="cannot take 1 more after 6"):
+        with pytest.raises(IndexError, match="out of"):
             model(torch.tensor([[5], [6]]), cache)
+
+
+def _decode_twice(step, name, heads, device="cpu"):
+    """Logits of eager decode_step and of `step(model, tokens, cache)` on identical caches, step by step."""
+    from mhar_lit.generation import decode_step, prefill
+
+    model = randomised_model(name, heads).to(device)
+    prompts, continuations = prompts_and_continuations()
+    ids, mask = left_pad(prompts, device=device)
+    caches = [KVCache.for_model(model, len(prompts), ids.shape[1] + 6) for _ in range(2)]
+    pairs = []
+    with torch.no_grad():
+        for cache in caches:
+            prefill(model, ids, mask, cache)
+        for j in range(6):
+            tokens = torch.tensor([c[j] for c in continuations], device=device)
+            pairs.append((decode_step(model, tokens, caches[0]), step(model, tokens, caches[1])))
+    return pairs
+
+
+@pytest.mark.parametrize("name,heads", [("full", 8), ("hyper-dynamic", None)])
+def test_decode_step_compiles_to_one_graph_for_every_position(name, heads):
+    """No graph break and no recompilation from one position to the next (fixed shapes, tensor bookkeeping)."""
+    import torch._dynamo
+
+    from mhar_lit.generation import decode_step
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        step = torch.compile(decode_step, fullgraph=True, dynamic=False, backend="eager")
+        for eager, compiled in _decode_twice(step, name, heads):
+            assert torch.equal(eager, compiled)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_decode_step_replays_as_a_cuda_graph():
+    """One captured step replayed at every position gives the eager logits (the cache advances on the GPU)."""
+    from mhar_lit.generation import decode_step
+
+    graph, static = {}, {}
+
+    def captured(model, tokens, cache):
+        if not graph:
+            state = [t.clone() for t in (cache.write_index, cache.next_position, cache.key_valid)]
+            static["tokens"] = tokens.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up run (allocator, kernels); its cache update is undone below
+                decode_step(model, static["tokens"], cache)
+            torch.cuda.current_stream().wait_stream(side)
+            for saved, live in zip(state, (cache.write_index, cache.next_position, cache.key_valid)):
+                live.copy_(saved)
+            graph["g"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph["g"]):
+                static["logits"] = decode_step(model, static["tokens"], cache)
+        static["tokens"].copy_(tokens)
+        graph["g"].replay()
+        return static["logits"].clone()
+
+    for eager, replayed in _decode_twice(captured, "full", 8, device="cuda"):
+        assert torch.allclose(eager, replayed, rtol=0, atol=1e-5)
 
 
 def test_triton_strategy_decodes_on_the_torch_path_and_keeps_its_backend():
@@ -210,7 +271,8 @@ def test_top_k_and_top_p_restrict_the_support():
         freq = torch.bincount(drawn, minlength=4).float() / len(drawn)
         assert torch.allclose(freq, torch.tensor(expected), atol=0.015), (sampling, freq)
     # ties at the k-th value are kept; temperature sharpens before the filters
-    assert torch.isfinite(filter_logits(torch.tensor([[1.0, 2.0, 2.0, 0.0]]), top_k=2)).tolist() == [[False, True, True, False]]
+    kept = torch.isfinite(filter_logits(torch.tensor([[1.0, 2.0, 2.0, 0.0]]), top_k=2))
+    assert kept.tolist() == [[False, True, True, False]]
     assert next_tokens(torch.tensor([[0.0, 3.0, 1.0]]), Sampling()).tolist() == [1]
 
 

@@ -9,7 +9,10 @@ forward builds it for them.
 
 Layout: keys and values [layers, B, kv_heads, max_len, head_dim], allocated once, so a decode step has fixed
 shapes (attention always reads all max_len columns under a mask) and its bookkeeping lives in tensors
-(`write_index`, `next_position`, `key_valid`): the step can be captured in a CUDA graph or compiled.
+(`write_index`, `next_position`, `key_valid`), never in Python numbers: the step compiles to one graph that
+stays valid at every position (torch.compile(fullgraph=True) with no recompilation) and can be captured in a
+CUDA graph. For the same reason nothing checks on the host that a write fits: the caller sizes the cache
+(`generate` does); a write past max_len fails in index_copy_.
 
 A batch of prompts of different lengths is left-padded: every row writes the same column at each step, a
 row's RoPE positions count only its real tokens (its first real token is position 0), and padded keys are
@@ -37,7 +40,6 @@ class KVCache:
         self.key_valid = torch.zeros(batch, max_len, device=device, dtype=torch.bool)
         self.next_position = torch.zeros(batch, device=device, dtype=torch.long)  # RoPE position per row
         self.write_index = torch.zeros((), device=device, dtype=torch.long)  # column of the next token
-        self.length = 0  # host-side mirror of write_index, for the overflow check only
         self.next_valid: Optional[Tensor] = None  # [B, T] real-token mask of the next call (None: all real)
         self._columns: Optional[Tensor] = None
         self._mask: Optional[Tensor] = None
@@ -58,8 +60,6 @@ class KVCache:
 
     def begin_step(self, count: int) -> Tensor:
         """Reserve the next `count` columns; returns the new tokens' RoPE positions [B, count]."""
-        if self.length + count > self.max_len:
-            raise ValueError(f"KV cache of {self.max_len} positions cannot take {count} more after {self.length}")
         device = self.keys.device
         valid = self.next_valid
         self.next_valid = None
@@ -82,7 +82,6 @@ class KVCache:
 
     def end_step(self, count: int) -> None:
         self.write_index += count
-        self.length += count
         self._columns = self._mask = None
 
     def layer(self, index: int) -> "LayerKV":

@@ -91,7 +91,8 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
              sampling: Sampling = Sampling(), generator: Optional[torch.Generator] = None,
              eos_ids: Sequence[int] = (), stop: Sequence[str] = (),
              decode: Optional[Callable[[list[int]], str]] = None,
-             on_step: Optional[Callable[[list[list[int]], list[bool]], None]] = None, pad_id: int = 0) -> list[list[int]]:
+             on_step: Optional[Callable[[list[list[int]], list[bool]], None]] = None,
+             pad_id: int = 0) -> list[list[int]]:
     """New tokens of each prompt (EOS excluded), batched with a KV cache.
 
     A row finishes at an EOS id, when its decoded text (`decode`, needed with `stop`) contains a stop string,
