@@ -260,7 +260,9 @@ def test_top_k_and_top_p_restrict_the_support():
     probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
     logits = probs.log().expand(20000, 4)
     gen = torch.Generator().manual_seed(0)
-    cases = [(Sampling(1.0, top_k=2), {1, 3}, [0.0, 0.625, 0.0, 0.375]),
+    sharpened = (probs ** 2 / (probs ** 2).sum()).tolist()  # temperature 0.5 squares the probabilities
+    cases = [(Sampling(0.5), {0, 1, 2, 3}, sharpened),
+             (Sampling(1.0, top_k=2), {1, 3}, [0.0, 0.625, 0.0, 0.375]),
              (Sampling(1.0, top_p=0.75), {1, 3}, [0.0, 0.625, 0.0, 0.375]),
              (Sampling(1.0, top_p=0.9), {1, 2, 3}, [0.0, 0.5 / 0.95, 0.15 / 0.95, 0.3 / 0.95]),
              (Sampling(1.0, top_p=0.4), {1}, [0.0, 1.0, 0.0, 0.0]),
@@ -270,7 +272,7 @@ def test_top_k_and_top_p_restrict_the_support():
         assert set(drawn.tolist()) == support, sampling
         freq = torch.bincount(drawn, minlength=4).float() / len(drawn)
         assert torch.allclose(freq, torch.tensor(expected), atol=0.015), (sampling, freq)
-    # ties at the k-th value are kept; temperature sharpens before the filters
+    # ties at the k-th value are kept
     kept = torch.isfinite(filter_logits(torch.tensor([[1.0, 2.0, 2.0, 0.0]]), top_k=2))
     assert kept.tolist() == [[False, True, True, False]]
     assert next_tokens(torch.tensor([[0.0, 3.0, 1.0]]), Sampling()).tolist() == [1]
@@ -291,9 +293,10 @@ def test_sampling_with_a_seed_is_reproducible():
     def run(seed):
         return generate(model, prompts, 12, sampling, torch.Generator().manual_seed(seed))
 
-    assert run(0) == run(0)
-    assert run(0) != run(1)
-    assert all(len(t) == 12 for t in run(0))
+    first = run(0)
+    assert run(0) == first
+    assert run(1) != first
+    assert all(len(t) == 12 for t in first)
 
 
 def test_eos_and_stop_strings_finish_rows_independently():
