@@ -35,6 +35,8 @@ TOOLS = {
     "convert": ("mhar_lit.convert:convert_main", "graft a strategy onto a Hugging Face model, or export back"),
     "lm_eval": ("mhar_lit.eval.lm_eval_adapter:lm_eval_main",
                 "lm-evaluation-harness on a converted directory (lm_eval's own flags)"),
+    "generate": ("mhar_lit.generation.cli:generate_main",
+                 "continue a prompt from a checkpoint or converted directory (KV cache, greedy or sampled)"),
     "export": ("mhar_lit.export.cli:export_main",
                "a trained checkpoint as a standalone directory (safetensors, tokenizer, transformers remote code)"),
 }

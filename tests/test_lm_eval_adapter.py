@@ -179,3 +179,52 @@ def test_unreadable_tokenizer_json_names_the_file(tmp_path):
     bad.write_text('{"version": "1.0"')
     with pytest.raises(ValueError, match=r"cannot read tokenizer .*tokenizer\.json"):
         TokenizerJSON(bad)
+
+
+def test_generate_until_batches_prompts_of_different_lengths_greedily(model_dir, scorer):
+    """A left-padded batch with the KV cache gives each prompt the uncached greedy continuation, in order."""
+    tok = scorer.tokenizer
+    prompts = ["The", "A dog ran in the park and the", "Two plus", "The quick brown fox"]
+    outs = scorer.generate_until([(p, {"until": [], "max_gen_toks": 5}) for p in prompts])
+    for prompt, out in zip(prompts, outs):
+        reference = greedy_reference(scorer.model, tok.encode(prompt), 5)
+        if tok.eos_id in reference:
+            reference = reference[: reference.index(tok.eos_id)]
+        assert out == tok.decode(reference)
+    one = build_scorer(str(model_dir), device="cpu", dtype="float32", batch_size=1)
+    assert one.generate_until([(p, {"until": [], "max_gen_toks": 5}) for p in prompts]) == outs
+
+
+def test_generate_until_samples_with_the_scorer_seed(model_dir, scorer):
+    """do_sample / temperature / top_k / top_p are honoured: equal seeds repeat, other seeds differ; do_sample
+    False (or temperature 0) is greedy whatever the seed."""
+    requests = [(p, {"until": [], "max_gen_toks": 8, "do_sample": True, "temperature": 1.0, "top_k": 50,
+                     "top_p": 0.95}) for p in ("The cat", "A dog ran in the park")]
+    other = build_scorer(str(model_dir), device="cpu", dtype="float32", batch_size=3, seed=99)
+    first = scorer.generate_until(requests)
+    assert scorer.generate_until(requests) == first
+    assert other.generate_until(requests) != first
+    greedy = [(p, {"until": [], "max_gen_toks": 8}) for p, _ in requests]
+    expected = scorer.generate_until(greedy)
+    for settings in ({"do_sample": False, "temperature": 1.0}, {"temperature": 0.0}):
+        assert other.generate_until([(p, {**kw, **settings}) for p, kw in greedy]) == expected
+
+
+def test_sampling_settings_follow_lm_eval_conventions(scorer):
+    from mhar_lit.generation import Sampling
+
+    rules = scorer._rules
+    assert rules({"until": "\n\n"})[::2] == (("\n\n",), Sampling())
+    assert rules({"temperature": 0.7})[2] == Sampling(0.7)  # a positive temperature alone samples
+    assert rules({"do_sample": True})[2] == Sampling(1.0)
+    assert rules({"do_sample": True, "temperature": 0.5, "top_k": 0, "top_p": 0.9})[2] == Sampling(0.5, None, 0.9)
+    assert rules({"max_gen_toks": 7})[1] == 7
+    with pytest.raises(ValueError, match="top_p"):
+        rules({"do_sample": True, "top_p": 0.0})
+
+
+def test_generate_until_keeps_request_order_across_settings(scorer):
+    requests = [("The cat", {"until": [], "max_gen_toks": 3}), ("Two plus two", {"until": ["."], "max_gen_toks": 6}),
+                ("A dog", {"until": [], "max_gen_toks": 3})]
+    together = scorer.generate_until(requests)
+    assert together == [scorer.generate_until([r])[0] for r in requests]

@@ -11,13 +11,12 @@ lm_eval nor transformers, so it is tested directly; `MHARLM` only unpacks lm_eva
 Conventions follow lm_eval's HF model: a context's trailing whitespace moves to the continuation, the
 continuation's tokens are those of tokenize(context + continuation) beyond tokenize(context), an empty
 context is replaced by the prefix token (EOS unless `prefix_token_id` is given), rolling loglikelihoods
-use disjoint windows of `max_length` tokens. Generation is greedy and recomputes the whole prefix each
-step (DecoderLM has no KV cache), in right-padded batches.
+use disjoint windows of `max_length` tokens. Generation decodes with a KV cache (mhar_lit.generation) in
+left-padded batches, greedily or by sampling (do_sample, temperature, top_k, top_p; seeded by `seed`).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mhar_lit.errors import UserError, exits_on_user_error
+from mhar_lit.generation.sampling import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,11 @@ class TokenizerJSON:
 
 
 class MHARScorer:
-    """Loglikelihoods and greedy generations of a DecoderLM, batched, in the lm_eval conventions."""
+    """Loglikelihoods and generations of a DecoderLM, batched, in the lm_eval conventions."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, max_length: Optional[int] = None,
-                 batch_size: int = 8, prefix_token_id: Optional[int] = None, max_gen_toks: int = 256) -> None:
+                 batch_size: int = 8, prefix_token_id: Optional[int] = None, max_gen_toks: int = 256,
+                 seed: int = 1234) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_length = int(max_length or model.config.max_position_embeddings)
@@ -75,6 +76,7 @@ class MHARScorer:
         if self.prefix_token_id is None:
             raise ValueError("no prefix token: the tokenizer has no EOS; pass prefix_token_id")
         self.max_gen_toks = int(max_gen_toks)
+        self.seed = int(seed)
 
     @property
     def device(self) -> torch.device:
@@ -156,49 +158,49 @@ class MHARScorer:
 
     # ------------------------------------------------------------------ generation
     def generate_until(self, requests: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
-        """Greedy continuations, cut at the first stop string (`until`) or EOS or `max_gen_toks` tokens."""
+        """Continuations cut at the first stop string (`until`), EOS or `max_gen_toks` tokens, decoded with a KV
+        cache in left-padded batches of requests that share their generation settings. Sampling draws from a
+        generator seeded with `seed` at every call, so a call is reproducible."""
+        rules = [self._rules(dict(kwargs or {})) for _, kwargs in requests]
+        groups: dict[tuple, list[int]] = {}
+        for i, rule in enumerate(rules):
+            groups.setdefault(rule, []).append(i)
+        generator = torch.Generator(device=self.device).manual_seed(self.seed)
         results: list[Optional[str]] = [None] * len(requests)
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][0]))
-        for batch in self._batches(order):
-            for i, text in zip(batch, self._generate([requests[i] for i in batch])):
-                results[i] = text
+        for rule, members in groups.items():
+            members.sort(key=lambda i: -len(requests[i][0]))  # similar lengths share a batch: less padding
+            for batch in self._batches(members):
+                for i, text in zip(batch, self._generate([requests[i][0] for i in batch], *rule, generator)):
+                    results[i] = text
         return results  # type: ignore[return-value]
 
-    def _stop_rules(self, kwargs: dict[str, Any]) -> tuple[list[str], int]:
-        if kwargs.get("do_sample") or float(kwargs.get("temperature", 0.0) or 0.0) > 0:
-            log.warning("mhar_lit adapter only decodes greedily; ignoring do_sample/temperature")
+    def _rules(self, kwargs: dict[str, Any]) -> tuple[tuple[str, ...], int, Sampling]:
+        """(until, max_gen_toks, sampling) of a request. As lm_eval's HF model: sampling when do_sample is true,
+        or when it is absent and temperature > 0; do_sample without a temperature samples at 1.0."""
         until = kwargs.get("until") or []
-        until = [until] if isinstance(until, str) else list(until)
-        return until, int(kwargs.get("max_gen_toks", self.max_gen_toks))
+        until = (until,) if isinstance(until, str) else tuple(until)
+        temperature = kwargs.get("temperature")
+        do_sample = kwargs.get("do_sample")
+        if do_sample is None:
+            do_sample = temperature is not None and float(temperature) > 0
+        if not do_sample:
+            return until, int(kwargs.get("max_gen_toks", self.max_gen_toks)), Sampling()
+        top_k, top_p = kwargs.get("top_k"), kwargs.get("top_p")
+        sampling = Sampling(float(1.0 if temperature is None else temperature),
+                            None if top_k in (None, 0) else int(top_k), None if top_p is None else float(top_p))
+        return until, int(kwargs.get("max_gen_toks", self.max_gen_toks)), sampling
 
-    def _generate(self, requests: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
-        rules = [self._stop_rules(dict(kwargs or {})) for _, kwargs in requests]
-        prompts = [self.tokenizer.encode(ctx) or [self.prefix_token_id] for ctx, _ in requests]
-        generated: list[list[int]] = [[] for _ in requests]
-        done = [False] * len(requests)
-        for _ in range(max(limit for _, limit in rules)):
-            live = [i for i in range(len(requests)) if not done[i]]
-            if not live:
-                break
-            rows = [(prompts[i] + generated[i])[-self.max_length:] for i in live]
-            logprobs = self._logprobs_at(rows, [[len(r) - 1] for r in rows])
-            for i, lp in zip(live, logprobs):
-                token = int(lp[0].argmax())
-                if token == getattr(self.tokenizer, "eos_id", None):
-                    done[i] = True
-                    continue
-                generated[i].append(token)
-                until, limit = rules[i]
-                text = self.tokenizer.decode(generated[i])
-                done[i] = len(generated[i]) >= limit or any(stop in text for stop in until)
-        return [self._cut(self.tokenizer.decode(g), rules[i][0]) for i, g in enumerate(generated)]
+    def _generate(self, contexts: list[str], until: tuple[str, ...], limit: int, sampling: Sampling,
+                  generator: torch.Generator) -> list[str]:
+        from mhar_lit.generation import cut_at_stop, generate
 
-    @staticmethod
-    def _cut(text: str, until: list[str]) -> str:
-        for stop in until:
-            if stop:
-                text = text.split(stop)[0]
-        return text
+        keep = max(1, self.max_length - limit)  # as lm_eval's HF model: the context leaves room for the answer
+        prompts = [(self.tokenizer.encode(ctx) or [self.prefix_token_id])[-keep:] for ctx in contexts]
+        limit = min(limit, self.max_length - max(len(p) for p in prompts))
+        eos = getattr(self.tokenizer, "eos_id", None)
+        tokens = generate(self.model, prompts, limit, sampling, generator, eos_ids=() if eos is None else (eos,),
+                          stop=until, decode=self.tokenizer.decode)
+        return [cut_at_stop(self.tokenizer.decode(t), until) for t in tokens]
 
 
 def _dtype(name: Optional[str], device: torch.device) -> torch.dtype:
@@ -213,7 +215,7 @@ def _dtype(name: Optional[str], device: torch.device) -> torch.dtype:
 def build_scorer(path: str, tokenizer: Optional[str] = None, device: Optional[str] = None,
                  dtype: Optional[str] = None, batch_size: int | str = 8, max_length: Optional[int] = None,
                  prefix_token_id: Optional[int] = None, eos: Optional[str] = None, max_gen_toks: int = 256,
-                 backend: Optional[str] = None) -> MHARScorer:
+                 backend: Optional[str] = None, seed: int = 1234) -> MHARScorer:
     """load_pretrained(path) + tokenizer (default: path/tokenizer.json) -> MHARScorer."""
     from mhar_lit.convert import load_pretrained
     from mhar_lit.convert.core import read_mhar_config
@@ -228,7 +230,7 @@ def build_scorer(path: str, tokenizer: Optional[str] = None, device: Optional[st
     size = int(batch_size) if str(batch_size).isdigit() else 8  # lm_eval's "auto" is not supported: use 8
     return MHARScorer(model, tok, max_length=max_length, batch_size=size,
                       prefix_token_id=None if prefix_token_id is None else int(prefix_token_id),
-                      max_gen_toks=max_gen_toks)
+                      max_gen_toks=max_gen_toks, seed=int(seed))
 
 
 def _register() -> Optional[type]:

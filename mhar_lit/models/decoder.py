@@ -9,6 +9,12 @@ so that checkpoints map one to one. The depth loop is the same for every residua
         y     = sublayer_s(pre_norm_s(x))                  # attention or SwiGLU MLP
         state = residual.sublayer_output(state, s, y)      # what the depth state keeps of it
     logits = lm_head(norm(residual.final(state)))
+
+Incremental decoding (mhar_lit.generation): depth routing mixes sublayer outputs of the SAME token only, so
+the only state that crosses tokens is attention's keys and values. A cached forward (`cache=` a
+mhar_lit.generation.KVCache) runs this same loop on the new tokens only: the strategy's depth state is
+rebuilt for them from their embeddings, attention reads the earlier tokens' keys and values from the cache
+and writes its own. Without a cache the forward is the training path, unchanged.
 """
 
 from __future__ import annotations
@@ -104,6 +110,15 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
+    def at(self, positions_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos/sin [B, 1, T, head_dim] at per-row positions: the same fp32 products as forward's outer product,
+        so a token's angles are bitwise those of the full sequence."""
+        if self.inv_freq.device != positions_BT.device:
+            self.inv_freq = self.inv_freq.to(positions_BT.device)
+        freqs = positions_BT.to(torch.float32).unsqueeze(-1) * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
 
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
@@ -128,7 +143,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x_BTD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x_BTD: Tensor, cos: Tensor, sin: Tensor, kv: Any = None) -> Tensor:
+        """kv: None (training: causal attention over this sequence) or a layer's view of a KV cache, which
+        stores this call's keys and values and returns every cached one with the mask to apply."""
         b, t, _ = x_BTD.shape
         q = self.q_proj(x_BTD).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
@@ -138,7 +155,11 @@ class Attention(nn.Module):
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.num_heads != self.num_kv_heads
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if kv is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            k, v, mask = kv.update(k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -169,8 +190,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def attention_sublayer(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        return self.self_attn(self.input_layernorm(x), cos, sin)
+    def attention_sublayer(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Any = None) -> Tensor:
+        return self.self_attn(self.input_layernorm(x), cos, sin, kv)
 
     def mlp_sublayer(self, x: Tensor) -> Tensor:
         return self.mlp(self.post_attention_layernorm(x))
@@ -181,10 +202,11 @@ class DecoderLayer(nn.Module):
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
-    def forward(self, state: Any, residual: ResidualStrategy, cos: Tensor, sin: Tensor) -> Any:
+    def forward(self, state: Any, residual: ResidualStrategy, cos: Tensor, sin: Tensor, kv: Any = None) -> Any:
         site = 2 * self.index
         h = residual.sublayer_input(state, site)
-        state = residual.sublayer_output(state, site, self._run(self.attention_sublayer, h, cos, sin))
+        attention_args = (h, cos, sin) if kv is None else (h, cos, sin, kv)
+        state = residual.sublayer_output(state, site, self._run(self.attention_sublayer, *attention_args))
         h = residual.sublayer_input(state, site + 1)
         return residual.sublayer_output(state, site + 1, self._run(self.mlp_sublayer, h))
 
@@ -223,10 +245,15 @@ class DecoderLM(nn.Module):
         for layer in self.layers:
             layer.activation_checkpointing = enabled
 
-    def hidden_states(self, input_ids: Tensor) -> Tensor:
-        """The final-normed hidden state [B, T, D] (what the LM head reads)."""
+    def hidden_states(self, input_ids: Tensor, cache: Any = None) -> Tensor:
+        """The final-normed hidden state [B, T, D] (what the LM head reads).
+
+        cache: None (the training path) or a mhar_lit.generation.KVCache holding the earlier tokens; then
+        input_ids are only the new tokens, placed after them (see the module docstring)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if cache is not None:
+            return self._cached_hidden_states(input_ids, cache)
         seq_len = input_ids.shape[1]
         if seq_len > self.config.max_position_embeddings:
             raise ValueError(
@@ -239,9 +266,21 @@ class DecoderLM(nn.Module):
             state = layer(state, self.residual, cos, sin)
         return self.norm(self.residual.final(state))
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """Logits [B, T, V]."""
-        return self.lm_head(self.hidden_states(input_ids))
+    def _cached_hidden_states(self, input_ids: Tensor, cache: Any) -> Tensor:
+        """The depth loop on the new tokens only: per-row RoPE positions and the attention mask come from the
+        cache (left-padded rows start their positions at their first real token)."""
+        x = self.embed_tokens(input_ids)
+        positions = cache.begin_step(input_ids.shape[1])
+        cos, sin = self.rotary.at(positions, x.dtype)
+        state = self.residual.begin(x)
+        for layer in self.layers:
+            state = layer(state, self.residual, cos, sin, cache.layer(layer.index))
+        cache.end_step(input_ids.shape[1])
+        return self.norm(self.residual.final(state))
+
+    def forward(self, input_ids: Tensor, cache: Any = None) -> Tensor:
+        """Logits [B, T, V]; with a cache, of the new tokens only (see hidden_states)."""
+        return self.lm_head(self.hidden_states(input_ids, cache))
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         total = sum(p.numel() for p in self.parameters())

@@ -1,0 +1,5 @@
+import sys
+
+from mhar_lit.generation.cli import generate_main
+
+sys.exit(generate_main())

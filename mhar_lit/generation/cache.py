@@ -1,0 +1,104 @@
+"""A static, preallocated key/value cache for incremental decoding of a DecoderLM.
+
+Why a plain KV cache is enough for every residual strategy: depth routing (full, block, delta attention
+residuals, hyper-connections) mixes the sublayer outputs of the SAME token only, never across tokens. The only
+state that one token passes to later ones is attention's keys and values, so a cached forward keeps those
+per layer and runs the strategy's fixed loop (`begin`, `sublayer_input`, `sublayer_output`, `final`) on the
+new tokens alone: their depth state is rebuilt from their embeddings at every step, exactly as the full
+forward builds it for them.
+
+Layout: keys and values [layers, B, kv_heads, max_len, head_dim], allocated once, so a decode step has fixed
+shapes (attention always reads all max_len columns under a mask) and its bookkeeping lives in tensors
+(`write_index`, `next_position`, `key_valid`), never in Python numbers: the step compiles to one graph that
+stays valid at every position (torch.compile(fullgraph=True) with no recompilation) and can be captured in a
+CUDA graph. For the same reason nothing checks on the host that a write fits: the caller sizes the cache
+(`generate` does); a write past max_len fails in index_copy_.
+
+A batch of prompts of different lengths is left-padded: every row writes the same column at each step, a
+row's RoPE positions count only its real tokens (its first real token is position 0), and padded keys are
+masked. A padded query attends to itself only, so its (unused) activations stay finite.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, for `DecoderLM.hidden_states(ids, cache=...)`."""
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"a KV cache needs batch >= 1 and max_len >= 1, got {batch} and {max_len}")
+        shape = (num_layers, batch, kv_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.key_valid = torch.zeros(batch, max_len, device=device, dtype=torch.bool)
+        self.next_position = torch.zeros(batch, device=device, dtype=torch.long)  # RoPE position per row
+        self.write_index = torch.zeros((), device=device, dtype=torch.long)  # column of the next token
+        self.next_valid: Optional[Tensor] = None  # [B, T] real-token mask of the next call (None: all real)
+        self._columns: Optional[Tensor] = None
+        self._mask: Optional[Tensor] = None
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, batch: int, max_len: int) -> "KVCache":
+        """A cache shaped for `model` (a DecoderLM), on its device and in its activation dtype."""
+        cfg, weight = model.config, model.embed_tokens.weight
+        return cls(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, weight.device, weight.dtype)
+
+    @property
+    def batch(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[3]
+
+    def begin_step(self, count: int) -> Tensor:
+        """Reserve the next `count` columns; returns the new tokens' RoPE positions [B, count]."""
+        device = self.keys.device
+        valid = self.next_valid
+        self.next_valid = None
+        if valid is None:
+            valid = torch.ones(self.batch, count, device=device, dtype=torch.bool)
+        elif valid.shape != (self.batch, count):
+            raise ValueError(f"real-token mask has shape {tuple(valid.shape)}, expected {(self.batch, count)}")
+        valid = valid.to(device=device, dtype=torch.bool)
+        columns = self.write_index + torch.arange(count, device=device)
+        self.key_valid.index_copy_(1, columns, valid)
+        before = valid.long().cumsum(1) - valid.long()  # real tokens earlier in this call; pads do not count
+        positions = self.next_position.unsqueeze(1) + before
+        self.next_position += valid.long().sum(1)
+        keys = torch.arange(self.max_len, device=device)
+        causal = keys <= columns.unsqueeze(1)  # [count, max_len]
+        itself = keys == columns.unsqueeze(1)
+        mask = causal & (self.key_valid.unsqueeze(1) | itself)  # [B, count, max_len]
+        self._columns, self._mask = columns, mask.unsqueeze(1)
+        return positions
+
+    def end_step(self, count: int) -> None:
+        self.write_index += count
+        self._columns = self._mask = None
+
+    def layer(self, index: int) -> "LayerKV":
+        return LayerKV(self, index)
+
+
+class LayerKV:
+    """One layer's view of the cache, handed to its attention: stores new keys/values, returns all of them."""
+
+    def __init__(self, cache: KVCache, index: int) -> None:
+        self.cache, self.index = cache, index
+
+    def update(self, k_BHTD: Tensor, v_BHTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        cache = self.cache
+        if cache._columns is None:
+            raise RuntimeError("KVCache.update outside a cached forward (begin_step was not called)")
+        keys, values = cache.keys[self.index], cache.values[self.index]
+        keys.index_copy_(2, cache._columns, k_BHTD.to(keys.dtype))
+        values.index_copy_(2, cache._columns, v_BHTD.to(values.dtype))
+        return keys, values, cache._mask
