@@ -17,6 +17,7 @@ left-padded batches, greedily or by sampling (do_sample, temperature, top_k, top
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
