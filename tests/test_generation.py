@@ -222,12 +222,13 @@ def test_decode_step_replays_as_a_cuda_graph():
 
 def test_triton_strategy_decodes_on_the_torch_path_and_keeps_its_backend():
     torch.manual_seed(0)
-    model = DecoderLM(ModelConfig.from_name("tiny-4l"), FullAttnRes(heads=4, backend="triton")).eval()
+    model = DecoderLM(ModelConfig.from_name("tiny-4l"), FullAttnRes(heads=4)).eval()
+    model.residual.set_routing_backend("triton", {"chunk": 2})
     with torch_routing(model):
         assert model.residual.backend == "torch"
-    assert model.residual.backend == "triton"
-    generate(model, [[1, 2, 3]], 3)  # would need triton kernels inside if the backend were not switched
-    assert model.residual.backend == "triton"
+    assert model.residual.routing_choice == ("triton", {"chunk": 2})
+    generate(model, [[1, 2, 3]], 3)
+    assert model.residual.routing_choice == ("triton", {"chunk": 2})
 
 
 # ---------------------------------------------------------------------------------------------- transformers
