@@ -29,8 +29,6 @@ import pytest
 
 from mhar_lit.tracking_ui import EXPERIMENT_KIND_TAG, TRAINING_KIND, mark_training_experiment, runs_page_url
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[1]
 UI_MLFLOW = REPO / ".venv-ui" / "bin" / "mlflow"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -50,7 +48,7 @@ def _missing_tools() -> list[str]:
     return missing
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def browser_tools():
     missing = _missing_tools()
     if missing:
@@ -188,6 +186,7 @@ def _on_runs_list(experiment_id: str, run_name: str):
     return check
 
 
+@pytest.mark.slow
 def test_experiment_opens_on_its_runs(trained, ui, browser):
     _, _, experiment_id, _ = trained
     with urllib.request.urlopen(f"{ui}/api/2.0/mlflow/experiments/get?experiment_id={experiment_id}") as response:
@@ -215,6 +214,7 @@ def test_experiment_opens_on_its_runs(trained, ui, browser):
     _wait_for(browser, _on_runs_list(experiment_id, RUN_NAME), "the runs list after choosing 'Model training'")
 
 
+@pytest.mark.slow
 def test_run_page_shows_losses(trained, ui, browser, tmp_path):
     _, _, experiment_id, run_id = trained
     _open(browser, runs_page_url(ui, experiment_id, run_id), fresh=True)
@@ -226,6 +226,7 @@ def test_run_page_shows_losses(trained, ui, browser, tmp_path):
         shutil.copyfile(tmp_path / "mlflow_run_page.png", SCREENSHOT)
 
 
+@pytest.mark.slow
 def test_heatmap_artifact_opens(trained, ui, browser):
     root, _, experiment_id, run_id = trained
     heatmaps = sorted(p.name for p in root.glob(f"mlruns/{experiment_id}/{run_id}/artifacts/routing/heatmap_*.png"))
@@ -239,3 +240,25 @@ def test_heatmap_artifact_opens(trained, ui, browser):
     _wait_for(browser, lambda d: d.execute_script(loaded + ".length"), "the heatmap image in the artifact view")
     width, height = browser.execute_script(loaded + ".map(i => [i.naturalWidth, i.naturalHeight])[0]")
     assert width > height > 0  # the heatmap figure: one panel per routing head, side by side
+
+
+def test_mark_training_experiment_tags_once(tmp_path):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment_id = client.create_experiment("runs", artifact_location=str(tmp_path / "mlruns"))
+    assert mark_training_experiment(client, experiment_id) is True
+    assert client.get_experiment(experiment_id).tags[EXPERIMENT_KIND_TAG] == "custom_model_development"
+    assert mark_training_experiment(client, experiment_id) is False
+    client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, "genai_development")
+    assert mark_training_experiment(client, experiment_id) is True  # a GenAI kind is corrected
+    assert client.get_experiment(experiment_id).tags[EXPERIMENT_KIND_TAG] == "custom_model_development"
+
+
+def test_runs_page_url():
+    assert runs_page_url("http://127.0.0.1:5000/", "7") == \
+        "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning"
+    assert runs_page_url("http://h:1", "7", "abc", "artifacts/routing/heatmap_final.png") == \
+        "http://h:1/#/experiments/7/runs/abc/artifacts/routing/heatmap_final.png?workflowType=machine_learning"
+    with pytest.raises(ValueError, match="needs a run_id"):
+        runs_page_url("http://h:1", "7", run_tab="model-metrics")
