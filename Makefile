@@ -41,7 +41,6 @@ browser: $(STAMP)
 	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
 	  ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends chromium chromium-driver) || \
 	  echo "browser: chromium/chromedriver not installed; tests/test_mlflow_ui.py will skip"
-	$(BIN)/python -c "import selenium" 2>/dev/null || $(BIN)/python -m pip install --quiet "selenium>=4.20"
 
 ui: ui-venv
 	@echo "MLflow UI: http://127.0.0.1:5000 (click 'Model training' at the top left once: experiments then open on their runs)"
