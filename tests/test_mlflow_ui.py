@@ -14,7 +14,6 @@ MHAR_UPDATE_SCREENSHOT=1 also writes the run page's screenshot to docs/figures/m
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
