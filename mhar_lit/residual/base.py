@@ -145,32 +145,6 @@ class ResidualStrategy(nn.Module, ABC):
         return set()
 
 
-def register_state_pytree(cls: type, tensor_fields: tuple[str, ...], static_fields: tuple[str, ...] = ()) -> type:
-    """Make a depth-state class a pytree node whose leaves are its tensors.
-
-    The state is what a DecoderLayer returns; wrappers that act on a module's outputs (FSDP registers its
-    pre-backward all-gather on the output tensors) must be able to find the tensors inside it. List fields
-    are flattened element by element.
-    """
-    from torch.utils import _pytree
-
-    def flatten(state):
-        values = [getattr(state, f) for f in tensor_fields]
-        static = tuple(getattr(state, f) for f in static_fields)
-        return values, (static,)
-
-    def unflatten(values, context):
-        state = cls.__new__(cls)
-        for name, value in zip(tensor_fields, values):
-            setattr(state, name, value)
-        for name, value in zip(static_fields, context[0]):
-            setattr(state, name, value)
-        return state
-
-    _pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
-    return cls
-
-
 def init_parameters(cls: type) -> dict[str, inspect.Parameter]:
     """The named arguments of `cls.__init__` (no self, *args, **kwargs)."""
     skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 
 from mhar_lit.config import ModelConfig
 from mhar_lit.residual.attnres import RoutedResidual
-from mhar_lit.residual.base import is_attention_site, layer_of, register_state_pytree
+from mhar_lit.residual.base import is_attention_site, layer_of
+from mhar_lit.routing.routers import register_state_pytree
 
 
 @dataclass(eq=False)
