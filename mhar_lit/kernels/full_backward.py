@@ -59,8 +59,8 @@ def _suffix_dot_bwd_kernel(
     G_P: tl.constexpr, BLOCK_T: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, S_B: tl.constexpr,
     ACC: tl.constexpr, PREC: tl.constexpr, KEYPATH: tl.constexpr,
 ):
-    """The suffix pass of _suffix_bwd_kernel (same inputs and outputs) on tensor cores. Per token and head it
-    is two small matrix products: gdot [G, S] = V [G, K] @ dout^T [K, S] and dv [G, K] += alpha [G, S] @
+    """The suffix pass (FullRouting._suffix): value path and dl of every later site against a group of sources,
+    one read of each, on tensor cores. Per token and head it is two small matrix products: gdot [G, S] = V [G, K] @ dout^T [K, S] and dv [G, K] += alpha [G, S] @
     dout [S, K]; a program runs them batched over its BLOCK_T tokens for S_B later sites per step (G_P and
     S_B >= 16, the products' smallest size). So a step loads S_B sites' dout at once instead of one, and the
     per-element work leaves the CUDA cores. The head's K columns are two power-of-two slices K_A + K_B
@@ -69,7 +69,10 @@ def _suffix_dot_bwd_kernel(
     KEYPATH (for the full-row column kernel): the pairs' key path joins the value path in part_dv, as a third
     product per token, dv [G, K] += (r dl) [G, S] @ w [S, K] (w = q g of the later sites, _mma_split), and
     their share of the RMSNorm coupling, sum over the later sites of dl * logit, goes to part_c [G, P, H]. The
-    column kernel then adds both and reads no suffix pair."""
+    column kernel then adds both and reads no suffix pair.
+
+    Its length is one program's loop over the later sites with the loads of the next step issued early; the
+    pieces that stand alone are @triton.jit helpers (_mma, _mma_weights, _suffix_keypath)."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -193,7 +196,8 @@ def _column_bwd_kernel(
 
     Every load is issued before the first store: a store may alias a later load for the compiler, so each
     store would make the loads after it wait for a new memory round trip. The in-group sites come J_B per
-    step, the next step's loads issued before this step's store of dl."""
+    step, the next step's loads issued before this step's store of dl. That load-before-store order across the
+    loop is why it is one long function rather than several jit helpers."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)

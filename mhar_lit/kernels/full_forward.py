@@ -100,7 +100,8 @@ def _prefix_fwd_kernel(
     when each row entered), so a first loop over z alone fixes each site's max and the row loop is one FMA
     per element and site, with no rescaling. Writes each site's (m, l, acc) into slots 0..n_sites-1 (acc
     relative to m; m and l from the first column block). Column blocks (grid axis 2) let a head width that
-    is no power of two run without padding: 160 = 5 x 32 instead of one 256-wide tile."""
+    is no power of two run without padding: 160 = 5 x 32 instead of one 256-wide tile. One function: its two
+    loops (the max over z, then the software-pipelined row loop) share the program's offsets and masks."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     k0 = tl.program_id(2) * K_W
