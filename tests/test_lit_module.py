@@ -160,7 +160,8 @@ def test_triton_tuning_knobs_do_not_change_checkpoint_identity():
     block = BlockAttnRes(heads=4, layers_per_block=2)
     block.set_routing_backend("triton", {"num_warps": 4})
     a, b = block.identity(), BlockAttnRes(heads=4, layers_per_block=2, two_phase=True).identity()
-    assert a == b and a["init_args"] == {"heads": 4, "layers_per_block": 2, "random_query_init": False, "eps": 1e-6}
+    assert a == b and a["init_args"] == {"heads": 4, "layers_per_block": 2, "random_query_init": False, "eps": 1e-6,
+                                         "logit_scale": None}
 
 
 def test_compare_pairs_only_same_seed_and_lr():

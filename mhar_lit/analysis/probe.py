@@ -61,8 +61,9 @@ def collect_stats(model: nn.Module, input_ids_QT: Tensor, slices: int = 4, null_
     if slices < 1:
         raise ValueError(f"--slices must be >= 1, got {slices}")
     generator = torch.Generator().manual_seed(seed)
-    null_RSD = matched_norm_queries(residual.query.detach().float(), residual.heads, null_draws, generator)
-    stats = RoutingStats(residual.query.detach().float(), residual.key_norm.detach().float(), residual.heads,
+    query_SD = residual.effective_query().detach().float()  # the queries the router uses (logit_scale applied)
+    null_RSD = matched_norm_queries(query_SD, residual.heads, null_draws, generator)
+    stats = RoutingStats(query_SD, residual.key_norm.detach().float(), residual.heads,
                          slices, null_RSD, collinearity_site=residual.query.shape[0] - 1, eps=residual.eps)
     device = next(model.parameters()).device
     half_Q = (torch.arange(input_ids_QT.shape[0]) >= math.ceil(input_ids_QT.shape[0] / 2)).long()

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import lightning as L
 import torch
@@ -96,19 +96,76 @@ class SpeedMonitor(L.Callback):
         self._val_t0 = None
 
 
-def routing_entropy(weights_NH: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats) of token-averaged routing weights per head, [H]."""
-    p = weights_NH.clamp_min(1e-12)
-    return -(p * p.log()).sum(0)
+class SiteRouting(NamedTuple):
+    """Routing statistics of one site over the tokens of a batch, per head (H = routing heads, N = sources)."""
+
+    token_entropy_H: torch.Tensor  # mean over tokens of the per-token entropy / log N (1 = uniform; N >= 2)
+    logit_spread_H: torch.Tensor  # mean over tokens of max_n - min_n of the head's logits
+    mean_weights_NH: torch.Tensor  # token-averaged routing weights
 
 
-def routing_heatmap(recorded: dict[int, torch.Tensor], title: str):
-    """One matplotlib figure: a (sites x sources) heatmap per head of the token-averaged routing weights."""
+def site_routing(sources_NBTD: torch.Tensor, query_D: torch.Tensor, key_norm_D: torch.Tensor, heads: int,
+                 eps: float) -> SiteRouting:
+    """Per-token routing statistics of one site from its sources with the reference math (mhar_lit.routing).
+
+    The entropy is taken per token, then averaged: the entropy of token-averaged weights hides per-token
+    sharpness (tokens that each pick one different source average to uniform). `query_D` is the query the router
+    is given (`RoutedResidual.effective_query()`: logit_scale applied)."""
+    from mhar_lit.routing import routing_logits
+
+    logits_NBTH = routing_logits(sources_NBTD, query_D, key_norm_D, heads, eps)
+    n = logits_NBTH.shape[0]
+    log_w = logits_NBTH.log_softmax(dim=0)
+    weights = log_w.exp()
+    entropy_BTH = -(weights * log_w).sum(0)
+    token_entropy = entropy_BTH.mean(dim=(0, 1)) / math.log(n) if n > 1 else entropy_BTH.new_zeros(heads)
+    spread = (logits_NBTH.amax(0) - logits_NBTH.amin(0)).mean(dim=(0, 1))
+    return SiteRouting(token_entropy.float().cpu(), spread.float().cpu(), weights.mean(dim=(1, 2)).float().cpu())
+
+
+def collect_routing(pl_module: L.LightningModule, input_ids: torch.Tensor) -> dict[int, SiteRouting]:
+    """{site: SiteRouting} of one no-grad forward pass, from the sources every routing site exposes
+    (`RoutedResidual.source_observer`)."""
+    residual = pl_module.model.residual
+    query_SD, key_norm_SD = residual.effective_query().detach(), residual.key_norm.detach()
+    collected: dict[int, SiteRouting] = {}
+
+    def observe(site: int, sources_NBTD: torch.Tensor) -> None:
+        collected[site] = site_routing(sources_NBTD, query_SD[site], key_norm_SD[site], residual.heads, residual.eps)
+
+    previous, residual.source_observer = residual.source_observer, observe
+    try:
+        with torch.no_grad():
+            pl_module.model(input_ids)
+        return collected
+    finally:
+        residual.source_observer = previous
+
+
+def routing_metrics(collected: dict[int, SiteRouting]) -> dict[str, float]:
+    """The few scalars a run page shows (per-head detail goes to the heatmaps): per site the head-mean
+    per-token entropy, the overall mean, and the overall mean logit spread; sites with one source (entropy
+    identically 0) are left out."""
+    routed = {site: r for site, r in sorted(collected.items()) if r.mean_weights_NH.shape[0] > 1}
+    metrics = {f"routing/entropy_site{site:02d}": r.token_entropy_H.mean().item() for site, r in routed.items()}
+    if routed:
+        metrics["routing/entropy"] = torch.stack([r.token_entropy_H for r in routed.values()]).mean().item()
+        metrics["routing/logit_spread"] = torch.stack([r.logit_spread_H for r in routed.values()]).mean().item()
+    return metrics
+
+
+def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def routing_heatmap(recorded: dict[int, torch.Tensor], title: str):
+    """One matplotlib figure: a (sites x sources) heatmap per head of the token-averaged routing weights."""
+    plt = _plt()
     sites = sorted(recorded)
     max_sources = max(recorded[s].shape[0] for s in sites)
     heads = recorded[sites[0]].shape[1]
@@ -133,40 +190,85 @@ def routing_heatmap(recorded: dict[int, torch.Tensor], title: str):
     return fig
 
 
-def record_routing(pl_module: L.LightningModule, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Token-averaged routing weights {site: [N, H]} of one no-grad forward pass."""
-    residual = pl_module.model.residual
-    residual.record_weights, residual.recorded = True, {}
-    try:
-        with torch.no_grad():
-            pl_module.model(input_ids)
-        return dict(residual.recorded)
-    finally:
-        residual.record_weights, residual.recorded = False, {}
+def entropy_heatmap(collected: dict[int, SiteRouting], title: str):
+    """One matplotlib figure: (sites x heads) mean per-token routing entropy / log N (1 = uniform); sites with
+    one source are blank."""
+    plt = _plt()
+    sites = sorted(collected)
+    heads = collected[sites[0]].token_entropy_H.shape[0]
+    grid = torch.full((len(sites), heads), float("nan"))
+    for row, site in enumerate(sites):
+        if collected[site].mean_weights_NH.shape[0] > 1:
+            grid[row] = collected[site].token_entropy_H
+    fig, ax = plt.subplots(figsize=(1.2 + 0.45 * heads, 0.8 + 0.22 * len(sites)), layout="constrained")
+    image = ax.imshow(grid.numpy(), vmin=0.0, vmax=1.0, cmap="magma", aspect="auto", interpolation="nearest")
+    ax.set_xlabel("head")
+    ax.set_ylabel("site")
+    ax.set_xticks(range(heads))
+    fig.colorbar(image, ax=ax, shrink=0.8, label="per-token entropy / log N")
+    ax.set_title(title, fontsize=9)
+    return fig
 
 
 class RoutingMonitor(L.Callback):
-    """Every `every_n_steps`, logs routing entropy per site/head and a heatmap figure to the logger.
+    """Every `every_n_steps` optimizer steps: routing diagnostics and the summed learning rate.
 
-    Runs one extra no-grad forward on the first `max_sequences` sequences of the current batch; a no-op for
-    strategies without depth routing. The time it takes is logged as routing/monitor_ms. Metrics are logged at
-    Lightning's step of the batch (`lightning_step`); figures are named by the optimizer steps done
-    (heatmap_step0000100.png after 100 steps, logged at step 99 like that batch's loss).
+    Metrics (a few scalars, so the run page stays readable): `routing/entropy_site{s:02d}` (per site, the
+    head-mean of the mean per-token routing entropy / log N; 1 = uniform mixing), `routing/entropy` (their
+    mean), `routing/logit_spread` (mean over sites, heads and tokens of max - min of a head's logits over the
+    sources), `routing/monitor_ms`, and `train/lr_sum`: the sum of the lr used by every optimizer step so far
+    (with `model.routing_lr_scale` != 1 also `train/routing_lr_sum`, the routing group's). The sums are part of
+    the callback's checkpoint state, so a resumed run continues them.
+
+    Figures (per-head detail): `routing/heatmap_step{N:07d}.png` (token-averaged weights, sites x sources per
+    head) and `routing/entropy_step{N:07d}.png` (per-token entropy, sites x heads), N the step at which the
+    metrics of the same pass are logged (Lightning's step of the batch, `lightning_step`, where that batch's
+    loss is); at the end of training `..._final.png`.
+
+    The routing statistics come from one extra no-grad forward on the first `max_sequences` sequences of the
+    current batch; strategies without depth routing log only the lr sums.
     """
 
     def __init__(self, every_n_steps: int = 100, max_sequences: int = 2, log_heatmaps: bool = True) -> None:
         self.every_n_steps, self.max_sequences, self.log_heatmaps = every_n_steps, max_sequences, log_heatmaps
         self._last_logged = -1
+        self.lr_sum = 0.0
+        self.routing_lr_sum = 0.0
+        self._restored = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr_sum": self.lr_sum, "routing_lr_sum": self.routing_lr_sum}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.lr_sum = float(state_dict.get("lr_sum", 0.0))
+        self.routing_lr_sum = float(state_dict.get("routing_lr_sum", 0.0))
+        self._restored = True
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_step > 0 and not self._restored:
+            log.warning("the checkpoint holds no summed lr (written before train/lr_sum existed): train/lr_sum "
+                        "counts from step %d", trainer.global_step)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.lr_sum += float(optimizer.param_groups[0]["lr"])
+        self.routing_lr_sum += float(optimizer.param_groups[-1]["lr"])
+
+    def _lr_metrics(self, pl_module) -> dict[str, float]:
+        metrics = {"train/lr_sum": self.lr_sum}
+        if getattr(pl_module, "hparams", {}).get("routing_lr_scale", 1.0) != 1.0:
+            metrics["train/routing_lr_sum"] = self.routing_lr_sum  # the queries' group is the last one
+        return metrics
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        routed = isinstance(pl_module.model.residual, RoutedResidual)
-        if not routed or step % self.every_n_steps or step == self._last_logged or not trainer.is_global_zero:
-            return
-        if self._sharded(trainer):
+        if step % self.every_n_steps or step == self._last_logged or not trainer.is_global_zero:
             return
         self._last_logged = step
-        self.log_routing(trainer, pl_module, batch[: self.max_sequences, :-1], step)
+        routed = isinstance(pl_module.model.residual, RoutedResidual) and not self._sharded(trainer)
+        if routed:
+            self.log_routing(trainer, pl_module, batch[: self.max_sequences, :-1])
+        else:
+            _log_metrics(trainer, self._lr_metrics(pl_module))
 
     def _sharded(self, trainer) -> bool:
         """Under FSDP a rank-0 side forward would read parameter shards and desynchronise collectives."""
@@ -180,32 +282,38 @@ class RoutingMonitor(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         batch = getattr(self, "_last_batch", None)
-        if self._sharded(trainer):
+        if batch is None or not trainer.is_global_zero:
             return
-        if batch is not None and isinstance(pl_module.model.residual, RoutedResidual) and trainer.is_global_zero:
-            self.log_routing(trainer, pl_module, batch, trainer.global_step, final=True)
+        if isinstance(pl_module.model.residual, RoutedResidual) and not self._sharded(trainer):
+            self.log_routing(trainer, pl_module, batch, final=True)
+        else:
+            _log_metrics(trainer, self._lr_metrics(pl_module))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._last_batch = batch[: self.max_sequences, :-1]
 
-    def log_routing(self, trainer, pl_module, input_ids, step: int, final: bool = False) -> None:
+    def log_routing(self, trainer, pl_module, input_ids, final: bool = False) -> None:
         start = time.perf_counter()
         was_training = pl_module.training
         pl_module.eval()
         try:
-            recorded = record_routing(pl_module, input_ids)
+            collected = collect_routing(pl_module, input_ids)
         finally:
             pl_module.train(was_training)
-        metrics = {}
-        for site, w in recorded.items():
-            for head, value in enumerate(routing_entropy(w).tolist()):
-                metrics[f"routing/entropy/site{site:03d}_h{head}"] = value
+        metrics = {**routing_metrics(collected), **self._lr_metrics(pl_module)}
         metrics["routing/monitor_ms"] = (time.perf_counter() - start) * 1e3
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=lightning_step(trainer))
-        if self.log_heatmaps:
-            name = "final" if final else f"step{step:07d}"
-            log_figure(trainer, routing_heatmap(recorded, f"routing weights, {name}"), f"routing/heatmap_{name}.png")
+        _log_metrics(trainer, metrics)
+        if self.log_heatmaps and collected:
+            name = "final" if final else f"step{lightning_step(trainer):07d}"
+            weights = {site: r.mean_weights_NH for site, r in collected.items()}
+            log_figure(trainer, routing_heatmap(weights, f"routing weights, {name}"), f"routing/heatmap_{name}.png")
+            log_figure(trainer, entropy_heatmap(collected, f"per-token routing entropy, {name}"),
+                       f"routing/entropy_{name}.png")
+
+
+def _log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=lightning_step(trainer))
 
 
 def _mlflow_logger(trainer: L.Trainer):

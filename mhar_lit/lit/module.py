@@ -47,6 +47,7 @@ def _check_training_settings(**settings: Any) -> None:
         "grad_clip": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
         "z_loss": (lambda v: v >= 0, ">= 0"),
         "tail_k": (lambda v: v >= 1, ">= 1"),
+        "routing_lr_scale": (lambda v: v > 0, "> 0"),
     }
     for name, value in settings.items():
         ok, expected = rules[name]
@@ -74,6 +75,9 @@ class LanguageModel(L.LightningModule):
             True: capture or refuse the run; False: eager.
         tail_k: number of last validations averaged into val/tail_mean (the paper's metric uses 11).
         init_from: a directory written by `python -m mhar_lit convert` or a .safetensors file to start from.
+        routing_lr_scale: beyond the paper (docs/method.md "Beyond the paper: routing learning rate"): the
+            routing queries (the strategy's `query`) get their own AdamW group with lr x this factor, on the
+            same schedule. 1.0 (default): no extra group, the paper's optimiser.
     """
 
     def __init__(
@@ -96,11 +100,12 @@ class LanguageModel(L.LightningModule):
         cuda_graph: Optional[bool] = None,
         tail_k: int = 11,
         init_from: Optional[str] = None,
+        routing_lr_scale: float = 1.0,
     ) -> None:
         super().__init__()
         _check_training_settings(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps,
                                  decay_steps=decay_steps, min_lr_ratio=min_lr_ratio, grad_clip=grad_clip,
-                                 z_loss=z_loss, tail_k=tail_k)
+                                 z_loss=z_loss, tail_k=tail_k, routing_lr_scale=routing_lr_scale)
         self.save_hyperparameters()
         self.config = ModelConfig.from_name(size, **(model_overrides or {}))
         residual = residual if residual is not None else StandardResidual()
@@ -195,6 +200,22 @@ class LanguageModel(L.LightningModule):
 
     # ---------------------------------------------------------------- optimisation
     def parameter_groups(self) -> list[dict[str, Any]]:
+        groups = self._weight_decay_groups()
+        scale = self.hparams.get("routing_lr_scale", 1.0)
+        return groups if scale == 1.0 else self._with_routing_group(groups, scale)
+
+    def _with_routing_group(self, groups: list[dict[str, Any]], scale: float) -> list[dict[str, Any]]:
+        """The routing queries moved out of `groups` into a last group of their own with lr x scale (LambdaLR
+        multiplies every group's own initial lr by the same schedule factor)."""
+        query = getattr(self.model.residual, "query", None)
+        if not isinstance(query, torch.nn.Parameter) or not query.requires_grad:
+            raise UserError(f"model.routing_lr_scale {scale} needs a strategy with routing queries; "
+                             f"{type(self.model.residual).__name__} has none")
+        home = next(g for g in groups if any(p is query for p in g["params"]))
+        groups = [dict(g, params=[p for p in g["params"] if p is not query]) for g in groups]
+        return groups + [{"params": [query], "weight_decay": home["weight_decay"], "lr": self.hparams.lr * scale}]
+
+    def _weight_decay_groups(self) -> list[dict[str, Any]]:
         if self.hparams.decay_all_parameters:
             return [{"params": [p for p in self.model.parameters() if p.requires_grad],
                      "weight_decay": self.hparams.weight_decay}]
@@ -261,7 +282,8 @@ class LanguageModel(L.LightningModule):
             raise UserError("checkpoint was not written by mhar_lit (no 'mhar_lit' section); cannot resume from it")
         residual = self.model.residual
         mine = {"model_config": self.config.to_dict(), "residual": residual.identity()}
-        saved = dict(saved, residual=without_speed_options(saved["residual"], type(residual).speed_options))
+        saved = dict(saved, residual=_with_init_defaults(
+            without_speed_options(saved["residual"], type(residual).speed_options), type(residual)))
         for key in ("model_config", "residual"):
             if saved[key] != mine[key]:
                 raise UserError(
@@ -272,7 +294,9 @@ class LanguageModel(L.LightningModule):
 
     # Restored with the optimizer state (its param groups) and LambdaLR's base_lrs, so a changed value would be
     # logged but not used; the schedule's shape (warmup, decay, floor), clipping and z-loss do follow the config.
-    OPTIMIZER_STATE_SETTINGS = ("lr", "betas", "eps", "weight_decay", "decay_all_parameters")
+    # routing_lr_scale sets the routing group's lr (and whether it exists); checkpoints older than it used 1.0.
+    OPTIMIZER_STATE_SETTINGS = ("lr", "betas", "eps", "weight_decay", "decay_all_parameters", "routing_lr_scale")
+    OPTIMIZER_SETTING_DEFAULTS = {"routing_lr_scale": 1.0}
 
     def _check_optimizer_settings(self, saved: dict[str, Any]) -> None:
         if self._trainer is None or self.trainer.state.fn != "fit":
@@ -281,6 +305,7 @@ class LanguageModel(L.LightningModule):
         def norm(v):
             return tuple(float(x) for x in v) if isinstance(v, (list, tuple)) else v
 
+        saved = {**self.OPTIMIZER_SETTING_DEFAULTS, **saved}
         differ = [f"{k}: checkpoint {saved[k]}, this run {self.hparams[k]}" for k in self.OPTIMIZER_STATE_SETTINGS
                   if k in saved and norm(saved[k]) != norm(self.hparams[k])]
         if differ:
@@ -301,6 +326,17 @@ class LanguageModel(L.LightningModule):
                 f"the tokenizer has {vocab} ids but the model's vocab_size is {self.config.vocab_size}; "
                 f"set model.model_overrides.vocab_size >= {vocab}"
             )
+
+
+def _with_init_defaults(config: dict[str, Any], cls: type) -> dict[str, Any]:
+    """`config` of a strategy of class `cls` with every init argument it lacks set to its default: a file written
+    before an option existed (e.g. logit_scale) trained with that option's default, the unchanged method."""
+    from mhar_lit.residual.base import init_parameters
+
+    if config.get("class_path") != cls.class_path():
+        return config
+    defaults = {n: p.default for n, p in init_parameters(cls).items() if p.default is not p.empty}
+    return dict(config, init_args={**defaults, **config["init_args"]})
 
 
 def check_checkpoint_file(path: str) -> None:

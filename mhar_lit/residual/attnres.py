@@ -24,7 +24,8 @@ library code).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+import math
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -36,17 +37,26 @@ from mhar_lit.routing import check_heads, make_router, routing_weights
 
 class RoutedResidual(ResidualStrategy):
     """Shared machinery: per-site (query, key_norm) parameters and a router (`routing_mode`: "full", "block"
-    or "call"; see mhar_lit.routing)."""
+    or "call"; see mhar_lit.routing).
+
+    logit_scale (beyond the paper, docs/method.md "Beyond the paper: routing learning rate"): a constant c
+    multiplying every routing logit: None (the paper, c = 1), a positive number, "sqrt_heads" (c = sqrt(H)) or
+    "heads" (c = H). The logits are linear in the query, so the router is given c * query (`effective_query`)
+    and no kernel changes: both backends agree, and autograd carries c into the query's gradient.
+    """
 
     routing_mode = "full"
 
-    def __init__(self, heads: int = 8, random_query_init: bool = False, eps: float = 1e-6) -> None:
+    def __init__(self, heads: int = 8, random_query_init: bool = False, eps: float = 1e-6,
+                 logit_scale: Union[None, float, str] = None) -> None:
         super().__init__()
         if heads < 1:
             raise ValueError(f"heads must be >= 1, got {heads}")
         self.heads = heads
         self.random_query_init = random_query_init
         self.eps = eps
+        self.logit_scale = logit_scale
+        self.logit_factor = resolve_logit_scale(logit_scale, heads)
         self.record_weights = False
         self.recorded: dict[int, Tensor] = {}
         # called with (site, sources [N, B, T, D], detached) at every routing site (mhar_lit.analysis.capture)
@@ -81,6 +91,13 @@ class RoutedResidual(ResidualStrategy):
         """Mode options of this strategy's router (block mode: span, two_phase)."""
         return {}
 
+    def effective_query(self) -> Tensor:
+        """The queries [sites, D] the router is given: the parameter itself at logit scale 1 (the paper's
+        computation, bit for bit), else logit_factor * query. Monitors and the probe compute weights from it."""
+        if self.logit_factor == 1.0:
+            return self.query
+        return self.query * self.logit_factor
+
     def num_routing_sites(self, config: ModelConfig) -> int:
         return 2 * config.num_layers + 1
 
@@ -103,7 +120,7 @@ class RoutedResidual(ResidualStrategy):
 
     # ---- full and block mode: the router keeps the depth state
     def begin(self, embedding: Tensor) -> Any:
-        return self.router.begin(embedding, self.query, self.key_norm)
+        return self.router.begin(embedding, self.effective_query(), self.key_norm)
 
     def sublayer_input(self, state: Any, site: int) -> Tensor:
         return self.route_site(state, site)
@@ -124,7 +141,7 @@ class RoutedResidual(ResidualStrategy):
     def route_sources(self, sources: list[Tensor], site: int) -> Tensor:
         if self.record_weights or self.source_observer is not None:
             self._observe(torch.stack(sources) if len(sources) > 1 else sources[0].unsqueeze(0), site)
-        return self.router.route(sources, self.query[site], self.key_norm[site])
+        return self.router.route(sources, self.effective_query()[site], self.key_norm[site])
 
     def _observe(self, sources_NBTD: Tensor, site: int) -> None:
         if self.source_observer is not None:
@@ -135,12 +152,28 @@ class RoutedResidual(ResidualStrategy):
     @torch.no_grad()
     def record(self, sources_NBTD: Tensor, site: int) -> None:
         """Store the token-averaged routing weights [N, H] of `site` (for monitors and the probe)."""
-        weights = routing_weights(sources_NBTD, self.query[site], self.key_norm[site], self.heads, self.eps)
+        weights = routing_weights(sources_NBTD, self.effective_query()[site], self.key_norm[site], self.heads,
+                                  self.eps)
         self.recorded[site] = weights.mean(dim=(1, 2)).float().cpu()
 
     @property
     def final_site(self) -> int:
         return 2 * self.model_config.num_layers
+
+
+def resolve_logit_scale(logit_scale: Union[None, float, str], heads: int) -> float:
+    """The factor c of a `logit_scale` setting (see RoutedResidual); a clear error for anything else."""
+    named = {"sqrt_heads": math.sqrt(heads), "heads": float(heads)}
+    if logit_scale is None:
+        return 1.0
+    if isinstance(logit_scale, str):
+        if logit_scale not in named:
+            raise ValueError(f"logit_scale must be null, a positive number, 'sqrt_heads' or 'heads', got {logit_scale!r}")
+        return named[logit_scale]
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not (
+            math.isfinite(logit_scale) and logit_scale > 0):
+        raise ValueError(f"logit_scale must be null, a positive number, 'sqrt_heads' or 'heads', got {logit_scale!r}")
+    return float(logit_scale)
 
 
 class FullAttnRes(RoutedResidual):
@@ -166,8 +199,8 @@ class BlockAttnRes(RoutedResidual):
     routing_mode = "block"
 
     def __init__(self, heads: int = 8, layers_per_block: int = 2, random_query_init: bool = False,
-                 eps: float = 1e-6, two_phase: bool = False) -> None:
-        super().__init__(heads=heads, random_query_init=random_query_init, eps=eps)
+                 eps: float = 1e-6, two_phase: bool = False, logit_scale: Union[None, float, str] = None) -> None:
+        super().__init__(heads=heads, random_query_init=random_query_init, eps=eps, logit_scale=logit_scale)
         if layers_per_block < 1:
             raise ValueError(f"layers_per_block must be >= 1, got {layers_per_block}")
         self.layers_per_block = layers_per_block
