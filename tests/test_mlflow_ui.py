@@ -67,7 +67,7 @@ def trained(tmp_path_factory, browser_tools):
         "--trainer.max_steps", "60",
         "--trainer.val_check_interval", "30",  # val/loss at steps 30 and 60 (demo: 50)
         "--trainer.limit_val_batches", "2",
-        "--routing_monitor.every_n_steps", "30",  # heatmaps at 30 and 60, plus the final one
+        "--routing_monitor.every_n_steps", "30",  # heatmaps after 30 and 60 optimizer steps (named 29, 59), plus the final one
         "--trainer.enable_progress_bar", "false",
         "--trainer.default_root_dir", str(root / "runs"),
         "--trainer.logger.init_args.tracking_uri", uri,
@@ -224,7 +224,7 @@ def test_run_page_shows_losses(trained, ui, browser, tmp_path):
 def test_heatmap_artifact_opens(trained, ui, browser):
     root, _, experiment_id, run_id = trained
     heatmaps = sorted(p.name for p in root.glob(f"mlruns/{experiment_id}/{run_id}/artifacts/routing/heatmap_*.png"))
-    assert "heatmap_final.png" in heatmaps and "heatmap_step0000030.png" in heatmaps, heatmaps
+    assert "heatmap_final.png" in heatmaps and "heatmap_step0000029.png" in heatmaps, heatmaps  # named by the step its metrics sit at
     url = f"{ui}/get-artifact?path=routing/heatmap_final.png&run_uuid={run_id}"
     with urllib.request.urlopen(url) as response:
         assert response.read(8) == b"\x89PNG\r\n\x1a\n"
