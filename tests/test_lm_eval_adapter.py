@@ -228,3 +228,34 @@ def test_generate_until_keeps_request_order_across_settings(scorer):
                 ("A dog", {"until": [], "max_gen_toks": 3})]
     together = scorer.generate_until(requests)
     assert together == [scorer.generate_until([r])[0] for r in requests]
+
+
+def test_a_trained_checkpoint_scores_like_its_model(tmp_path):
+    """The adapter takes a Lightning .ckpt directly: its model with the run's tokenizer, scoring what the
+    checkpoint's own model computes (byte tokens here)."""
+    import lightning as L
+
+    from mhar_lit.lit.module import LanguageModel, model_from_checkpoint
+    from mhar_lit.residual import FullAttnRes
+
+    module = LanguageModel(size="tiny", residual=FullAttnRes(heads=4, random_query_init=True), warmup_steps=1)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(torch.randint(0, 256, (4, 17)), batch_size=2))
+    ckpt = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(ckpt)
+    # outside the CLI the hyperparameters hold the strategy object itself (a pickle weights_only refuses); the CLI
+    # stores its config instead: keep the checkpoint loadable the way a CLI-written one is
+    saved = torch.load(ckpt, weights_only=False)
+    saved["hyper_parameters"] = {}
+    torch.save(saved, ckpt)
+    scorer = build_scorer(str(ckpt), tokenizer="bytes", device="cpu", dtype="float32")
+    context, continuation = "def route(", "sources)"
+    (logprob, _), = scorer.loglikelihood([(context, continuation)])
+    model = model_from_checkpoint(str(ckpt)).eval()
+    ids = torch.tensor([list((context + continuation).encode())])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids[:, :-1]).double(), -1)
+    n = len(continuation.encode())
+    expected = logp[0, -n:].gather(-1, ids[0, -n:, None]).sum().item()
+    assert logprob == pytest.approx(expected, rel=1e-5)

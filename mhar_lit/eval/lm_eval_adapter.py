@@ -217,21 +217,43 @@ def build_scorer(path: str, tokenizer: Optional[str] = None, device: Optional[st
                  dtype: Optional[str] = None, batch_size: int | str = 8, max_length: Optional[int] = None,
                  prefix_token_id: Optional[int] = None, eos: Optional[str] = None, max_gen_toks: int = 256,
                  backend: Optional[str] = None, seed: int = 1234) -> MHARScorer:
-    """load_pretrained(path) + tokenizer (default: path/tokenizer.json) -> MHARScorer."""
+    """A converted or exported directory (load_pretrained + tokenizer, default path/tokenizer.json) or a trained
+    Lightning .ckpt (its model and the tokenizer its run trained with, as `generate` loads them) -> MHARScorer."""
     from mhar_lit.convert import load_pretrained
     from mhar_lit.convert.core import read_mhar_config
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    size = int(batch_size) if str(batch_size).isdigit() else 8  # lm_eval's "auto" is not supported: use 8
+    options = dict(max_length=max_length, batch_size=size, max_gen_toks=max_gen_toks, seed=int(seed),
+                   prefix_token_id=None if prefix_token_id is None else int(prefix_token_id))
+    if Path(path).is_file():
+        from mhar_lit.generation.loading import load_generator
+
+        loaded = load_generator(path, tokenizer=tokenizer, eos=eos, device=device, dtype=_dtype(dtype, device))
+        if backend is not None and hasattr(loaded.model.residual, "set_routing_backend"):
+            loaded.model.residual.set_routing_backend(backend)
+        return MHARScorer(loaded.model, _CheckpointTokenizer(loaded), **options)
     tok = TokenizerJSON(tokenizer or Path(path) / "tokenizer.json", eos=eos)
     vocab = (read_mhar_config(Path(path)).get("model_config") or {}).get("vocab_size")
     if vocab is not None and tok.vocab_size > vocab:  # checked before an 8B load; its ids would fail inside torch
         raise ValueError(f"tokenizer {tok.path} has {tok.vocab_size} token ids but the model in {path} has "
                          f"vocab_size {vocab}; pass the model's own tokenizer (tokenizer=PATH)")
     model = load_pretrained(path, device=device, dtype=_dtype(dtype, device), backend=backend)
-    size = int(batch_size) if str(batch_size).isdigit() else 8  # lm_eval's "auto" is not supported: use 8
-    return MHARScorer(model, tok, max_length=max_length, batch_size=size,
-                      prefix_token_id=None if prefix_token_id is None else int(prefix_token_id),
-                      max_gen_toks=max_gen_toks, seed=int(seed))
+    return MHARScorer(model, tok, **options)
+
+
+class _CheckpointTokenizer:
+    """The tokenizer a checkpoint's run trained with, behind TokenizerJSON's interface."""
+
+    def __init__(self, loaded) -> None:
+        self.loaded, self.eos_id = loaded, loaded.eos_ids[0]
+        self.vocab_size = loaded.tokenizer.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return self.loaded.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.loaded.decode(list(ids))
 
 
 def _register() -> Optional[type]:
