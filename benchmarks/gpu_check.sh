@@ -8,5 +8,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python3 -m pytest -q tests/kernels tests/test_cuda_graph.py tests/test_gpu_routing_matrix.py tests/test_generation.py
+python3 -m pytest -q tests/kernels tests/test_cuda_graph.py tests/test_generation.py
+TRITON_INTERPRET=0 python3 -m pytest -q tests/test_gpu_routing_matrix.py  # compiled kernels: a process of its own
 python3 benchmarks/train_step.py --methods baseline mhar block --cuda-graph "$@"

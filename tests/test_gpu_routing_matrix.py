@@ -11,6 +11,7 @@ tests/test_routing_backend.py runs the same check through the callback).
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
@@ -18,8 +19,12 @@ import torch
 
 from mhar_lit.routing.check import compare_with_reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the fused kernels at "
-                                "real widths); tests/kernels covers them in the Triton interpreter")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the fused kernels at real widths); "
+                       "tests/kernels covers them in the Triton interpreter"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the suite selects Triton's interpreter "
+                       "(tests/conftest.py): run this file alone with TRITON_INTERPRET=0 for compiled kernels"),
+]
 
 WIDTHS = {"100M": (512, 12), "1B": (1280, 36), "8B": (4096, 32)}
 TOKENS = 256  # one sequence: the kernels tile tokens; the width, heads and depth set the tile shapes
