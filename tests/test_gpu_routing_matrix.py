@@ -4,7 +4,8 @@ fp32 and bf16, at the 100M (d 512, 12 layers), 1B (d 1280, 36 layers) and 8B (d 
 Each case is mhar_lit.routing.check at that shape: one forward pass over every site on random routing parameters
 and a backward from a random projection of the final site, on the triton router and on the torch router in the
 same dtype, with float64 torch as the reference; the fused routing must be as accurate as eager PyTorch (within
-2x its error plus a floor: the module docstring of mhar_lit.routing.check says why). No configuration may crash.
+2x its error plus a floor: the module docstring of mhar_lit.routing.check says why). No configuration may crash:
+full mode in fp32 with heads wider than MAX_FP32_HEAD_WIDTH is refused with a clear error instead.
 CUDA only (skipped on CPU machines; the interpreter covers the kernels' math at small widths in tests/kernels, and
 tests/test_routing_backend.py runs the same check through the callback).
 """
@@ -17,6 +18,7 @@ import zlib
 import pytest
 import torch
 
+from mhar_lit.kernels.full_routing import MAX_FP32_HEAD_WIDTH
 from mhar_lit.routing.check import compare_with_reference
 
 pytestmark = [
@@ -41,6 +43,10 @@ def test_fused_routing_runs_and_matches_the_reference(shape, mode, heads, dtype)
     gen = torch.Generator().manual_seed(seed)
     embedding = torch.randn(1, TOKENS, width, generator=gen, dtype=torch.float64).cuda()
     options = {"span": 4} if mode == "block" else {}  # two layers per block, as the shipped block configs
+    if mode == "full" and dtype == torch.float32 and width // heads > MAX_FP32_HEAD_WIDTH:
+        with pytest.raises(ValueError, match="supports routing heads up to"):  # refused, not crashed
+            compare_with_reference(mode, "triton", heads, embedding, 2 * layers + 1, dtype, router_options=options)
+        return
     result = compare_with_reference(mode, "triton", heads, embedding, 2 * layers + 1, dtype,
                                     router_options=options, seed=seed)
     assert result["passed"], result["failed"]

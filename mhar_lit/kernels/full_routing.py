@@ -51,6 +51,22 @@ from mhar_lit.kernels.host import accumulator, aligned, check_site_params, dot_d
 from mhar_lit.kernels.tuning import DOT_TOKENS, SUFFIX_SITE_BLOCK, FullRoutingConfig, dot_split, make_config
 
 
+# The suffix pass keeps a group's fp32 rows of a whole head in shared memory: on an H100 (2026-12-06,
+# tests/test_gpu_routing_matrix.py) head widths of 512, 640 and 1280 in fp32 needed 394 / 459 / 918 KB of its 227 KB;
+# 256 ran. bf16 storage takes half the bytes per row.
+MAX_FP32_HEAD_WIDTH = 256
+
+
+def check_fp32_head_width(head_width: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before any kernel runs, a 32-bit full-mode routing whose head is too wide for the GPU's shared memory."""
+    if device.type == "cuda" and dtype.itemsize >= 4 and head_width > MAX_FP32_HEAD_WIDTH:
+        raise ValueError(
+            f"full-mode Triton routing in {dtype} supports routing heads up to {MAX_FP32_HEAD_WIDTH} wide, this model's "
+            f"are {head_width} (hidden size / heads): the backward's suffix pass would need more shared memory than "
+            "the GPU has. Train in bf16-true, use more routing heads, or route on the PyTorch backend "
+            "(--routing_backend.backend torch)")
+
+
 class FullRouting:
     """State of chunked full-mode routing for one forward pass (see module docstring). `config`: a
     FullRoutingConfig, a mapping of its fields, or None for the measured defaults."""
@@ -62,6 +78,7 @@ class FullRouting:
         n = query_SD.shape[0]
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
+        check_fp32_head_width(d // heads, self.dtype, self.device)
         self.config = make_config(FullRoutingConfig, config).resolved(n, d, heads, self.dtype.itemsize)
         self.column_impl, self.chunk, self.group = self.config.column_impl, self.config.chunk, self.config.group
         self.acc_t, self.acc_tl = accumulator(self.dtype)

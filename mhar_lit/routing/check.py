@@ -9,8 +9,8 @@ final site's output and the gradients of a random projection of it with respect 
 the key norms.
 
 Tolerance: the router under test and the PyTorch router in the SAME dtype are both compared with a float64 PyTorch
-run; the router passes where its error is at most RATIO times the PyTorch router's own error plus a floor (1e-6
-of the tensor's largest entry in fp32, 1e-3 in 16-bit dtypes). Both compute in fp32 internally and differ by
+run; the router passes where its error is at most RATIO times the PyTorch router's own error plus a floor (1e-5
+of the tensor's largest entry in fp32, 1e-3 in 16-bit dtypes; FLOORS says why). Both compute in fp32 internally and differ by
 summation order, so an exact implementation lands near 1x; a wrong head slice or gradient term lands at O(1).
 """
 
@@ -25,7 +25,10 @@ from mhar_lit.routing.factory import make_router
 
 LOGIT_STD = 2.0
 RATIO = 2.0
-FLOORS = {torch.float32: 1e-6, torch.float64: 1e-12}
+# fp32: the fused kernels' tensor-core products run as tf32x3 (fp32-accurate, not bitwise fp32); on an H100
+# (2026-12-06, widths 512 / 1280, H 1-16) they erred up to 2.3x the eager fp32 router's error, at most 1.3e-5 of the
+# largest entry. A floor of 1e-5 admits that and stays two orders below a real defect (1e-3 and up).
+FLOORS = {torch.float32: 1e-5, torch.float64: 1e-12}
 FLOOR_16BIT = 1e-3
 CALL_SOURCES = 9  # sources of the one routing call checked in "call" (delta) mode
 

@@ -561,3 +561,16 @@ def test_strategies_take_no_backend_argument():
         assert residual.backend == "torch" and residual.router.backend == "torch"
         residual.set_routing_backend("triton")
         assert residual.backend == residual.router.backend == "triton"
+
+
+def test_fp32_heads_too_wide_for_shared_memory_are_refused_on_cuda():
+    """fp32 full-mode routing with heads wider than 256 is refused before a kernel runs on a GPU (its suffix pass
+    needs more shared memory than an H100 has); bf16 storage and the CPU interpreter are not limited."""
+    from mhar_lit.kernels.full_routing import check_fp32_head_width
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    with pytest.raises(ValueError, match="supports routing heads up to 256 wide, this model's are 512"):
+        check_fp32_head_width(512, torch.float32, cuda)
+    check_fp32_head_width(256, torch.float32, cuda)
+    check_fp32_head_width(512, torch.bfloat16, cuda)
+    check_fp32_head_width(512, torch.float32, cpu)
