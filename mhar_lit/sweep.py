@@ -62,7 +62,7 @@ def fit_command(configs: list[str], point: dict[str, str], sweep_id: str, extra:
     for key, value in point.items():
         cmd += ["--config", value] if key == "config" else [f"--{key}", value]
     # Not JSON: jsonargparse would parse a JSON-looking tag value into a dict, which MLflow rejects.
-    tags = {"sweep_id": sweep_id, "sweep_point": " ".join(f"{k}={v}" for k, v in sorted(point.items()))}
+    tags = {"sweep_id": sweep_id, "sweep_point": point_tag(point)}
     run_name = f"{sweep_id}/" + ",".join(f"{k.split('.')[-1]}={v.split('/')[-1]}" for k, v in point.items())
     cmd += ["--trainer.logger.init_args.tags", json.dumps(tags), "--trainer.logger.init_args.run_name", run_name]
     return cmd + extra
@@ -91,7 +91,9 @@ sweep id. `config=` values are extra config files layered on the base; other key
         --grid config=configs/methods/baseline.yaml,configs/methods/mhar.yaml \\
         --grid model.lr=1e-3,5e-4 --grid seed_everything=1,2 [-- extra fit args]
 
-Arguments after `--` go to every `fit` run. Then: python -m mhar_lit compare --sweep ID"""
+Arguments after `--` go to every `fit` run. Then: python -m mhar_lit compare --sweep ID
+After an interruption, the same command with --sweep_id ID --resume continues the sweep: finished points are
+skipped, killed ones resume from their last.ckpt."""
 COMPARE_HELP = """Final and tail-mean validation loss of a sweep's runs, the paired delta of each against the
 StandardResidual run of the same seed and lr, and per method the mean and spread of those deltas."""
 
@@ -104,7 +106,52 @@ def build_sweep_parser():
     parser.add_argument("--dry_run", "--dry-run", action="store_true", help="print the planned runs, run none")
     parser.add_argument("--keep_going", "--keep-going", action="store_true",
                         help="run the remaining points if one fails")
+    parser.add_argument("--resume", action="store_true",
+                        help="with the --sweep_id of an earlier sweep: skip the points whose run finished, continue "
+                             "a killed or failed one from its last.ckpt (a new run tagged resumed_from_run), start "
+                             "those without a checkpoint again")
+    parser.add_argument("--tracking_uri", "--tracking-uri", default=None,
+                        help="MLflow store of the runs, passed to every fit (default: the fit args', else "
+                             f"{DEFAULT_TRACKING_URI})")
     return parser
+
+
+TRACKING_URI_FLAG = "--trainer.logger.init_args.tracking_uri"
+
+
+def sweep_tracking_uri(args: Any, extra: list[str]) -> str:
+    """The store the sweep's fits log to: --tracking_uri, else the fit args' own, else the default."""
+    if args.tracking_uri:
+        return args.tracking_uri
+    given = [extra[i + 1] for i, word in enumerate(extra[:-1]) if word == TRACKING_URI_FLAG]
+    given += [word.split("=", 1)[1] for word in extra if word.startswith(TRACKING_URI_FLAG + "=")]
+    return given[-1] if given else DEFAULT_TRACKING_URI
+
+
+def resume_plan(tracking_uri: str, experiment: str, sweep_id: str, point: dict[str, str]) -> tuple[str, str]:
+    """What `sweep --resume` does with a point: ("skip", why), ("resume", last.ckpt) or ("start", why)."""
+    if not os.path.exists(local_store_path(tracking_uri) or "/"):
+        if local_store_path(tracking_uri) is not None:
+            return "start", "no store yet"
+    client, exp = _open_store(tracking_uri, experiment)
+    if exp is None:
+        return "start", "no runs yet"
+    runs = client.search_runs([exp.experiment_id], max_results=5000, filter_string=(
+        f"tags.sweep_id = '{sweep_id}' and tags.sweep_point = '{point_tag(point)}'"))
+    chains = chain_runs([_run_row(client, tracking_uri, run) for run in runs])
+    if any(finished(c) for c in chains):
+        return "skip", "finished"
+    if any(c["status"] == "RUNNING" for c in chains):
+        return "skip", "still running (its process is alive)"
+    for chain in sorted(chains, key=lambda c: -1 if c["step"] is None else c["step"], reverse=True):
+        last = os.path.join(chain["checkpoint_dir"] or "", "last.ckpt")
+        if chain["checkpoint_dir"] and os.path.isfile(last):
+            return "resume", last
+    return "start", "no checkpoint to resume from" if chains else "no run yet"
+
+
+def point_tag(point: dict[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(point.items()))
 
 
 @exits_on_user_error()
@@ -115,12 +162,23 @@ def sweep_main(argv: Optional[list[str]] = None) -> int:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
     args = build_sweep_parser().parse_args(argv)
+    if args.resume and not args.sweep_id:
+        raise UserError("--resume needs the --sweep_id of the sweep to continue")
+    if args.tracking_uri:
+        extra = [TRACKING_URI_FLAG, args.tracking_uri, *extra]
     points = grid_points(parse_grid(args.grid))
     sweep_id = args.sweep_id or f"sw-{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
     print(f"sweep {sweep_id}: {len(points)} runs{' planned (dry run)' if args.dry_run else ''}", flush=True)
     failures = 0
     for index, point in enumerate(points, 1):
         cmd = fit_command(args.config, point, sweep_id, extra)
+        if args.resume:
+            action, detail = resume_plan(sweep_tracking_uri(args, extra), DEFAULT_EXPERIMENT, sweep_id, point)
+            print(f"[{index}/{len(points)}] {point_tag(point)}: {action} ({detail})", flush=True)
+            if action == "skip":
+                continue
+            if action == "resume":
+                cmd += ["--ckpt_path", detail]
         print(f"[{index}/{len(points)}] {' '.join(cmd[1:])}", flush=True)
         if args.dry_run:
             continue

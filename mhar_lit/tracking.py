@@ -60,7 +60,7 @@ def trainer_params(trainer: Any) -> dict[str, Any]:
         "trainer/precision": trainer.precision,
         "trainer/accumulate_grad_batches": trainer.accumulate_grad_batches,
         "trainer/devices": trainer.num_devices,
-        "trainer/strategy": getattr(strategy, "strategy_name", None) or type(strategy).__name__,
+        "trainer/strategy": type(strategy).__name__,
         "trainer/gradient_clip_val": trainer.gradient_clip_val,
         "trainer/val_check_interval": trainer.val_check_interval,
     }

@@ -139,7 +139,7 @@ def test_fit_tracks_in_mlflow_and_resume_reproduces_losses(tmp_path, monkeypatch
     # the trainer settings that decide what ran, as params
     assert {k: v for k, v in run.data.params.items() if k.startswith("trainer/")} == {
         "trainer/max_steps": "8", "trainer/precision": "32-true", "trainer/accumulate_grad_batches": "1",
-        "trainer/devices": "1", "trainer/strategy": "single_device", "trainer/gradient_clip_val": "None",
+        "trainer/devices": "1", "trainer/strategy": "SingleDeviceStrategy", "trainer/gradient_clip_val": "None",
         "trainer/val_check_interval": "4"}
     heatmaps = [a.path for a in client.list_artifacts(run.info.run_id, "routing")]
     assert "routing/heatmap_final.png" in heatmaps and "routing/heatmap_step0000004.png" in heatmaps

@@ -75,7 +75,7 @@ def test_ddp_on_cpu_with_a_fresh_sqlite_store_makes_one_run(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("mhar_lit").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-    assert runs[0].data.params["trainer/devices"] == "2" and runs[0].data.params["trainer/strategy"] == "ddp"
+    assert runs[0].data.params["trainer/devices"] == "2" and runs[0].data.params["trainer/strategy"] == "DDPStrategy"
 
 
 def _runs(tmp_path):
