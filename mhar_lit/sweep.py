@@ -130,9 +130,9 @@ def sweep_tracking_uri(args: Any, extra: list[str]) -> str:
 
 def resume_plan(tracking_uri: str, experiment: str, sweep_id: str, point: dict[str, str]) -> tuple[str, str]:
     """What `sweep --resume` does with a point: ("skip", why), ("resume", last.ckpt) or ("start", why)."""
-    if not os.path.exists(local_store_path(tracking_uri) or "/"):
-        if local_store_path(tracking_uri) is not None:
-            return "start", "no store yet"
+    path = local_store_path(tracking_uri)
+    if path is not None and not os.path.exists(path):
+        return "start", "no store yet"
     client, exp = _open_store(tracking_uri, experiment)
     if exp is None:
         return "start", "no runs yet"

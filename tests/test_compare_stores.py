@@ -148,3 +148,25 @@ def test_a_killed_run_without_a_successor_is_not_paired(tmp_path, capsys):
     mhar = next(r for r in json.loads(out.read_text())["rows"] if r["method"] != "StandardResidual")
     assert mhar["delta"] != mhar["delta"] and mhar["status"] == "KILLED"
     assert "KILLED@49" in capsys.readouterr().out
+
+
+def test_sweep_resume_plan_skips_finished_points_and_continues_killed_ones(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from mhar_lit.sweep import point_tag, resume_plan
+
+    uri = f"sqlite:///{tmp_path}/rs.db"
+    assert resume_plan(uri, DEFAULT_EXPERIMENT, "kr", {"seed_everything": "1"})[0] == "start"  # no store yet
+    client = MlflowClient(uri)
+    exp = client.create_experiment(DEFAULT_EXPERIMENT)
+    points = {name: {"config": f"{name}.yaml", "seed_everything": "1"} for name in ("done", "killed", "early")}
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    (folder / "last.ckpt").write_bytes(b"x")
+    tag = lambda name, **more: {"sweep_point": point_tag(points[name]), **more}  # noqa: E731
+    _run(client, exp, "A", 1, [(2, 1.0)], tags=tag("done"))
+    _run(client, exp, "B", 1, [(2, 1.0)], status="KILLED", tags=tag("killed", checkpoint_dir=str(folder)))
+    _run(client, exp, "C", 1, [], status="KILLED", tags=tag("early", checkpoint_dir=str(tmp_path / "none")))
+    plans = {name: resume_plan(uri, DEFAULT_EXPERIMENT, "kr", point) for name, point in points.items()}
+    assert plans == {"done": ("skip", "finished"), "killed": ("resume", str(folder / "last.ckpt")),
+                     "early": ("start", "no checkpoint to resume from")}

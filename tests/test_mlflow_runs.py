@@ -178,3 +178,23 @@ def test_dead_runs_are_marked_killed_and_live_ones_kept(tmp_path):
     status = {name: client.get_run(i).info.status for name, i in ids.items()}
     assert status == {"gone": "KILLED", "alive": "RUNNING", "reused_pid": "KILLED", "elsewhere_recent": "RUNNING",
                       "elsewhere_stale": "KILLED"}
+
+
+def test_a_run_opening_marks_the_dead_runs_of_its_experiment_killed(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from mhar_lit.lit.mlflow_logger import MLflowRunLogger
+
+    uri = f"sqlite:///{tmp_path}/o.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("o")
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    dead = client.create_run(exp, tags={"host": socket.gethostname(), "pid": str(proc.pid)}).info.run_id
+    logger = MLflowRunLogger(experiment_name="o", tracking_uri=uri)
+    _ = logger.experiment, logger.version  # what the trainer's setup touches: no run yet, nothing reaped
+    assert client.get_run(dead).info.status == "RUNNING" and len(client.search_runs([exp])) == 1
+    logger.log_metrics({"train/loss": 1.0}, step=0)
+    assert client.get_run(dead).info.status == "KILLED"
+    tags = client.get_run(logger.run_id).data.tags
+    assert tags["pid"] == str(os.getpid()) and tags["host"] == socket.gethostname() and tags["pid_start"]
