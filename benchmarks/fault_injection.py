@@ -1,6 +1,6 @@
 """Fault injection for sweeps: runs killed with SIGKILL at random times, resumed, and nothing lost.
 
-    python benchmarks/fault_injection.py [--kills 4] [--seed 0] [--workdir DIR] [--max_steps 12]
+    python benchmarks/fault_injection.py [--kills 4] [--seed 0] [--workdir DIR] [--max_steps 36]
 
 1. An uninterrupted sweep (configs/demo.yaml at a tiny size and few steps, StandardResidual and MHAR x seeds
    1 and 2) into its own sqlite store.
@@ -36,7 +36,7 @@ def fit_args(workdir: Path, max_steps: int) -> list[str]:
     return ["--model.size", "tiny", "--trainer.max_steps", str(max_steps), "--trainer.val_check_interval", "3",
             "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1",
             "--trainer.enable_progress_bar", "false", "--model.warmup_steps", "2", "--model.tail_k", "2",
-            "--data.max_corpus_bytes", "300000", "--data.seq_len", "64", "--data.batch_size", "4",
+            "--data.max_corpus_bytes", "300000", "--data.val_fraction", "0.2", "--data.seq_len", "64", "--data.batch_size", "4",
             "--data.val_batch_size", "4", "--data.cache_dir", str(workdir / "cache"),
             "--trainer.default_root_dir", str(workdir / "runs")]
 
@@ -60,7 +60,7 @@ def run_with_kills(cmd: list[str], env: dict, rng: random.Random, kills_left: in
     kills = 0
     while proc.poll() is None:
         if kills < kills_left:
-            deadline = time.monotonic() + rng.uniform(5.0, 40.0)
+            deadline = time.monotonic() + rng.uniform(8.0, 35.0)
             while time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.2)
             fits = children(proc.pid)
@@ -100,7 +100,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max_steps", type=int, default=12)
+    parser.add_argument("--max_steps", type=int, default=36)
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fault-injection-")).resolve()
@@ -131,12 +131,16 @@ def main() -> int:
                 break
 
     reference = finished_table(compare("clean", clean, env, workdir / "clean.json"))
+    if any(v != v for values in reference["rows"].values() for v in values):
+        raise SystemExit("the uninterrupted sweep logged no validation loss: nothing to compare")
     result = finished_table(compare("faulty", faulty, env, workdir / "faulty.json"))
     lost = [key for key in reference["rows"] if key not in result["rows"]]
     differ = [key for key in reference["rows"] if key in result["rows"]
               and not same(reference["rows"][key], result["rows"][key])]
     differ += [m for m in reference["summary"] if not same(reference["summary"][m], result["summary"].get(m, ()))]
-    print(f"kills survived: {kills}, resume rounds: {rounds}, runs lost: {len(lost)}, "
+    resumed = sum(len(r["runs"]) - 1 for r in json.loads((workdir / "faulty.json").read_text())["rows"])
+    print(f"kills survived: {kills} ({resumed} continued from a checkpoint), resume rounds: {rounds}, "
+          f"runs lost: {len(lost)}, "
           f"values differing from the uninterrupted sweep: {len(differ)}")
     for key in lost + differ:
         print(f"  {key}: {reference['rows'].get(key, reference['summary'].get(key))} vs "
