@@ -111,7 +111,7 @@ def check_store_schema(path: str, tracking_uri: str) -> None:
 
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
-    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+    with contextlib.closing(sqlite3.connect(path)) as db:  # (read-only mode fails on a store left with a WAL)
         tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         if not tables:
             return
