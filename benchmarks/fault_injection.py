@@ -36,7 +36,8 @@ def fit_args(workdir: Path, max_steps: int) -> list[str]:
     return ["--model.size", "tiny", "--trainer.max_steps", str(max_steps), "--trainer.val_check_interval", "3",
             "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1",
             "--trainer.enable_progress_bar", "false", "--model.warmup_steps", "2", "--model.tail_k", "2",
-            "--data.max_corpus_bytes", "300000", "--data.val_fraction", "0.2", "--data.seq_len", "64", "--data.batch_size", "4",
+            "--data.max_corpus_bytes", "300000", "--data.val_fraction", "0.2", "--data.seq_len", "64",
+            "--data.batch_size", "4",
             "--data.val_batch_size", "4", "--data.cache_dir", str(workdir / "cache"),
             "--trainer.default_root_dir", str(workdir / "runs")]
 
