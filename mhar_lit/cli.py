@@ -15,7 +15,7 @@ import warnings
 from typing import Optional
 
 from mhar_lit.errors import UserError, debug_enabled, report_user_error
-from mhar_lit.tracking import DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI, run_name_method
+from mhar_lit.tracking import DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI, redact_credentials, run_name_method
 
 PROG = "python -m mhar_lit"
 
@@ -90,35 +90,45 @@ def quiet_third_party() -> None:
 
 def build_cli(args: Optional[list[str]] = None, run: bool = True):
     """The LightningCLI of mhar_lit (also used by tests with run=False)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+    from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
     from lightning.pytorch.loggers import MLFlowLogger
 
     from lightning.pytorch.callbacks import ProgressBar
 
     from mhar_lit.data.datamodule import TokenDataModule
-    from mhar_lit.lit.callbacks import LogCheckpointArtifact, RoutingMonitor, SpeedMonitor, StepProgressBar
+    from mhar_lit.lit.callbacks import (LogCheckpointArtifact, OneCopyCheckpoint, RoutingMonitor, SpeedMonitor,
+                                        StepProgressBar)
     from mhar_lit.lit.checkpoint_io import AtomicCheckpointIO
     from mhar_lit.lit.module import LanguageModel
     from mhar_lit.lit.routing_backend import RoutingBackend
 
     class MLflowSaveConfig(SaveConfigCallback):
-        """Stores the resolved config as the run's `config.yaml` artifact.
+        """Stores the resolved config, credentials in URIs redacted, as the run's `config.yaml` artifact.
 
         Lightning's default callback asserts on trainer.log_dir, which is None for sqlite/http MLflow stores
-        (pytorch-lightning#16310); for other loggers we write next to the logs as usual.
+        (pytorch-lightning#16310); for other loggers we write next to the logs as usual. The package's logger
+        keeps the text until its run opens (a process that logs nothing leaves no run).
         """
 
         def save_config(self, trainer, pl_module, stage) -> None:
-            text = self.parser.dump(self.config, skip_none=False)
+            text = redact_credentials(self.parser.dump(self.config, skip_none=False))
             for logger in trainer.loggers:
                 if isinstance(logger, MLFlowLogger):
-                    logger.experiment.log_text(logger.run_id, text, "config.yaml")
+                    if hasattr(logger, "log_text"):
+                        logger.log_text(text, "config.yaml")
+                    elif trainer.is_global_zero:
+                        logger.experiment.log_text(logger.run_id, text, "config.yaml")
                     return
             if trainer.log_dir and trainer.is_global_zero:
                 os.makedirs(trainer.log_dir, exist_ok=True)
                 with open(os.path.join(trainer.log_dir, "config.yaml"), "w") as fh:
                     fh.write(text)
+
+    class RedactingParser(LightningArgumentParser):
+        """Dumps (`--print_config`, the saved config) with passwords in URIs replaced by `***`."""
+
+        def dump(self, *args, **kwargs) -> str:
+            return redact_credentials(super().dump(*args, **kwargs))
 
     class MHARCLI(LightningCLI):
         # Lightning 2.6 has no public switch for this step (LightningCLI.__init__ calls it unconditionally and
@@ -146,18 +156,18 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             return super().instantiate_trainer(**kwargs)
 
         def add_arguments_to_parser(self, parser) -> None:
-            parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+            parser.add_lightning_class_args(OneCopyCheckpoint, "checkpoint")
             parser.add_lightning_class_args(SpeedMonitor, "speed")
             parser.add_lightning_class_args(RoutingMonitor, "routing_monitor")
             parser.add_lightning_class_args(RoutingBackend, "routing_backend")
             parser.set_defaults({
                 # Lightning (2.6) writes last.ckpt only when a top-k save happened at that step, so save_top_k
                 # must stay >= 1 (0 left no checkpoint until the end of training). Without a monitor the top-k
-                # file is a copy of last.ckpt: `--checkpoint.save_last link` makes last.ckpt a link to it instead.
+                # file holds what last.ckpt holds: OneCopyCheckpoint makes last.ckpt a hard link of it.
                 "checkpoint.save_last": True,
                 "trainer.default_root_dir": "runs",
                 "trainer.logger": {
-                    "class_path": "lightning.pytorch.loggers.MLFlowLogger",
+                    "class_path": "mhar_lit.lit.mlflow_logger.MLflowRunLogger",
                     "init_args": {
                         "experiment_name": DEFAULT_EXPERIMENT,
                         "tracking_uri": DEFAULT_TRACKING_URI,
@@ -178,6 +188,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
         # checkpoints written next to their destination, fsynced, renamed, with a verified sha256 sidecar
         trainer_defaults={"callbacks": [LogCheckpointArtifact()], "plugins": [AtomicCheckpointIO()]},
         parser_kwargs={"default_env": True, "prog": PROG},
+        parser_class=RedactingParser,
         auto_configure_optimizers=False,
     )
 
@@ -211,6 +222,9 @@ def _check_writable(folder: str, setting: str) -> None:
         raise UserError(f"{setting} {folder!r} is not writable ({reason}); checkpoints go there")
 
 
+MLFLOW_LOGGER_NAMES = ("MLFlowLogger", "MLflowRunLogger")
+
+
 def name_unnamed_mlflow_run(config) -> None:
     """Give an MLflow run without a run_name one of method, size and time. MLflow's own random names come from
     the global `random`, which seed_everything has just seeded: every run of a config got the same name."""
@@ -218,7 +232,7 @@ def name_unnamed_mlflow_run(config) -> None:
     import secrets
 
     logger = config.get("trainer", {}).get("logger")
-    if not (hasattr(logger, "get") and str(logger.get("class_path", "")).endswith("MLFlowLogger")):
+    if not (hasattr(logger, "get") and str(logger.get("class_path", "")).endswith(MLFLOW_LOGGER_NAMES)):
         return
     init_args = logger.get("init_args")
     if init_args is None or init_args.get("run_name") or init_args.get("run_id"):

@@ -10,7 +10,11 @@ sweep id; `config=` values are extra config files layered on the base, other key
     python -m mhar_lit compare --sweep ID
 
 prints final and tail-mean validation loss per run with the paired delta against the standard-residual
-run of the same seed (and learning rate), then the per-method mean and spread of those deltas.
+run of the same seed (and learning rate), then the per-method mean and spread of those deltas. A resumed run
+(tag `resumed_from_run`) is the continuation of its parent: one row, one seed. Only finished runs are paired
+and averaged; a killed or failed one is shown with its state and step. RUNNING runs whose process is gone are
+marked KILLED first (mhar_lit.tracking.reap_dead_runs). Two finished runs of one method, seed and settings are
+refused.
 
 Flags follow jsonargparse's spelling (`--sweep_id`, `--dry_run`, `--keep_going`, `--tracking_uri`); the
 hyphenated forms are accepted too.
@@ -30,7 +34,8 @@ import sys
 from typing import Any, Optional
 
 from mhar_lit.errors import UserError, exits_on_user_error
-from mhar_lit.tracking import DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI, local_store_path
+from mhar_lit.tracking import (DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI, check_store_schema, local_store_path,
+                               reap_dead_runs)
 
 BASELINE_METHOD = "StandardResidual"
 
@@ -57,7 +62,7 @@ def fit_command(configs: list[str], point: dict[str, str], sweep_id: str, extra:
     for key, value in point.items():
         cmd += ["--config", value] if key == "config" else [f"--{key}", value]
     # Not JSON: jsonargparse would parse a JSON-looking tag value into a dict, which MLflow rejects.
-    tags = {"sweep_id": sweep_id, "sweep_point": " ".join(f"{k}={v}" for k, v in sorted(point.items()))}
+    tags = {"sweep_id": sweep_id, "sweep_point": point_tag(point)}
     run_name = f"{sweep_id}/" + ",".join(f"{k.split('.')[-1]}={v.split('/')[-1]}" for k, v in point.items())
     cmd += ["--trainer.logger.init_args.tags", json.dumps(tags), "--trainer.logger.init_args.run_name", run_name]
     return cmd + extra
@@ -86,7 +91,9 @@ sweep id. `config=` values are extra config files layered on the base; other key
         --grid config=configs/methods/baseline.yaml,configs/methods/mhar.yaml \\
         --grid model.lr=1e-3,5e-4 --grid seed_everything=1,2 [-- extra fit args]
 
-Arguments after `--` go to every `fit` run. Then: python -m mhar_lit compare --sweep ID"""
+Arguments after `--` go to every `fit` run. Then: python -m mhar_lit compare --sweep ID
+After an interruption, the same command with --sweep_id ID --resume continues the sweep: finished points are
+skipped, killed ones resume from their last.ckpt."""
 COMPARE_HELP = """Final and tail-mean validation loss of a sweep's runs, the paired delta of each against the
 StandardResidual run of the same seed and lr, and per method the mean and spread of those deltas."""
 
@@ -99,7 +106,52 @@ def build_sweep_parser():
     parser.add_argument("--dry_run", "--dry-run", action="store_true", help="print the planned runs, run none")
     parser.add_argument("--keep_going", "--keep-going", action="store_true",
                         help="run the remaining points if one fails")
+    parser.add_argument("--resume", action="store_true",
+                        help="with the --sweep_id of an earlier sweep: skip the points whose run finished, continue "
+                             "a killed or failed one from its last.ckpt (a new run tagged resumed_from_run), start "
+                             "those without a checkpoint again")
+    parser.add_argument("--tracking_uri", "--tracking-uri", default=None,
+                        help="MLflow store of the runs, passed to every fit (default: the fit args', else "
+                             f"{DEFAULT_TRACKING_URI})")
     return parser
+
+
+TRACKING_URI_FLAG = "--trainer.logger.init_args.tracking_uri"
+
+
+def sweep_tracking_uri(args: Any, extra: list[str]) -> str:
+    """The store the sweep's fits log to: --tracking_uri, else the fit args' own, else the default."""
+    if args.tracking_uri:
+        return args.tracking_uri
+    given = [extra[i + 1] for i, word in enumerate(extra[:-1]) if word == TRACKING_URI_FLAG]
+    given += [word.split("=", 1)[1] for word in extra if word.startswith(TRACKING_URI_FLAG + "=")]
+    return given[-1] if given else DEFAULT_TRACKING_URI
+
+
+def resume_plan(tracking_uri: str, experiment: str, sweep_id: str, point: dict[str, str]) -> tuple[str, str]:
+    """What `sweep --resume` does with a point: ("skip", why), ("resume", last.ckpt) or ("start", why)."""
+    path = local_store_path(tracking_uri)
+    if path is not None and not os.path.exists(path):
+        return "start", "no store yet"
+    client, exp = _open_store(tracking_uri, experiment)
+    if exp is None:
+        return "start", "no runs yet"
+    runs = client.search_runs([exp.experiment_id], max_results=5000, filter_string=(
+        f"tags.sweep_id = '{sweep_id}' and tags.sweep_point = '{point_tag(point)}'"))
+    chains = chain_runs([_run_row(client, tracking_uri, run) for run in runs])
+    if any(finished(c) for c in chains):
+        return "skip", "finished"
+    if any(c["status"] == "RUNNING" for c in chains):
+        return "skip", "still running (its process is alive)"
+    for chain in sorted(chains, key=lambda c: -1 if c["step"] is None else c["step"], reverse=True):
+        last = os.path.join(chain["checkpoint_dir"] or "", "last.ckpt")
+        if chain["checkpoint_dir"] and os.path.isfile(last):
+            return "resume", last
+    return "start", "no checkpoint to resume from" if chains else "no run yet"
+
+
+def point_tag(point: dict[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(point.items()))
 
 
 @exits_on_user_error()
@@ -110,12 +162,23 @@ def sweep_main(argv: Optional[list[str]] = None) -> int:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
     args = build_sweep_parser().parse_args(argv)
+    if args.resume and not args.sweep_id:
+        raise UserError("--resume needs the --sweep_id of the sweep to continue")
+    if args.tracking_uri:
+        extra = [TRACKING_URI_FLAG, args.tracking_uri, *extra]
     points = grid_points(parse_grid(args.grid))
     sweep_id = args.sweep_id or f"sw-{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
     print(f"sweep {sweep_id}: {len(points)} runs{' planned (dry run)' if args.dry_run else ''}", flush=True)
     failures = 0
     for index, point in enumerate(points, 1):
         cmd = fit_command(args.config, point, sweep_id, extra)
+        if args.resume:
+            action, detail = resume_plan(sweep_tracking_uri(args, extra), DEFAULT_EXPERIMENT, sweep_id, point)
+            print(f"[{index}/{len(points)}] {point_tag(point)}: {action} ({detail})", flush=True)
+            if action == "skip":
+                continue
+            if action == "resume":
+                cmd += ["--ckpt_path", detail]
         print(f"[{index}/{len(points)}] {' '.join(cmd[1:])}", flush=True)
         if args.dry_run:
             continue
@@ -152,36 +215,117 @@ def require_existing_store(tracking_uri: str) -> None:
 
 
 def _store_runs(sweep_id: str, tracking_uri: str, experiment: str) -> list[dict[str, Any]]:
-    from mlflow.tracking import MlflowClient
-
-    require_existing_store(tracking_uri)
-    client = MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name(experiment)
+    client, exp = _open_store(tracking_uri, experiment)
     if exp is None:
         return []
     runs = client.search_runs([exp.experiment_id], filter_string=f"tags.sweep_id = '{sweep_id}'", max_results=5000)
-    rows = []
-    for run in runs:
-        tags, metrics = run.data.tags, run.data.metrics
-        rows.append({
-            "run_id": run.info.run_id,
-            "name": tags.get("mlflow.runName", run.info.run_id[:8]),
-            "status": run.info.status,
-            "method": tags.get("method", "?"),
-            "seed": tags.get("seed", "?"),
-            "lr": run.data.params.get("lr", "?"),
-            "final": metrics.get("val/loss", math.nan),
-            "tail_mean": metrics.get("val/tail_mean", math.nan),
-            "tokens_per_s": metrics.get("train/tokens_per_s", math.nan),
-        })
-    return rows
+    return [_run_row(client, tracking_uri, run) for run in runs]
+
+
+def _open_store(tracking_uri: str, experiment: str):
+    """The store's client and experiment (None if absent), after marking its dead RUNNING runs KILLED."""
+    from mlflow.tracking import MlflowClient
+
+    require_existing_store(tracking_uri)
+    if tracking_uri.startswith("sqlite:///"):
+        check_store_schema(local_store_path(tracking_uri), tracking_uri)
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is not None:
+        reap_dead_runs(client, [exp.experiment_id])
+    return client, exp
+
+
+def _run_row(client: Any, tracking_uri: str, run: Any) -> dict[str, Any]:
+    tags, metrics = run.data.tags, run.data.metrics
+    history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val/loss")]
+    return {
+        "run_id": run.info.run_id,
+        "store": tracking_uri,
+        "name": tags.get("mlflow.runName", run.info.run_id[:8]),
+        "status": run.info.status,
+        "start_time": run.info.start_time or 0,
+        "resumed_from": tags.get("resumed_from_run"),
+        "checkpoint_dir": tags.get("checkpoint_dir"),
+        "method": tags.get("method", "?"),
+        "seed": tags.get("seed", "?"),
+        "lr": run.data.params.get("lr", "?"),
+        "settings": dict(run.data.params),
+        "history": sorted(history),
+        "tail_mean": metrics.get("val/tail_mean", math.nan),
+        "tokens_per_s": metrics.get("train/tokens_per_s", math.nan),
+    }
+
+
+# ----------------------------------------------------------------------------- resumed runs are one seed
+def chain_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Join each resumed run to the run it continues (its `resumed_from_run` tag, same store): a chain is one
+    seed. Its validation history is the concatenation (a link's values from the step its successor resumed at
+    on are replaced by the successor's), its final loss the last value of that history; its tail-mean,
+    throughput and state are those of its last link that has them. A run resumed twice from one parent gives
+    two chains (which `check_duplicates` then refuses if both finished)."""
+    by_id = {(r["store"], r["run_id"]): r for r in rows}
+    children: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        parent = (r["store"], r["resumed_from"])
+        if r["resumed_from"] and parent in by_id:
+            children.setdefault(parent, []).append(r)
+    roots = [r for r in rows if not (r["resumed_from"] and (r["store"], r["resumed_from"]) in by_id)]
+    chains = []
+
+    def walk(path: list[dict[str, Any]]) -> None:
+        nxt = sorted(children.get((path[-1]["store"], path[-1]["run_id"]), []), key=lambda r: r["start_time"])
+        if not nxt:
+            chains.append(_chain_row(path))
+        for child in nxt:
+            walk(path + [child])
+
+    for root in roots:
+        walk([root])
+    return chains
+
+
+def _chain_row(links: list[dict[str, Any]]) -> dict[str, Any]:
+    history: list[tuple[int, float]] = []
+    for link in links:
+        if link["history"]:
+            first = link["history"][0][0]
+            history = [h for h in history if h[0] < first] + link["history"]
+
+    def latest(key: str) -> float:
+        return next((r[key] for r in reversed(links) if not math.isnan(r[key])), math.nan)
+
+    last = links[-1]
+    name = last["name"] + (f" (+{len(links) - 1} resumed)" if len(links) > 1 else "")
+    return {**{k: last[k] for k in ("method", "seed", "lr", "settings", "status", "store", "checkpoint_dir")},
+            "name": name, "runs": [r["run_id"] for r in links],
+            "step": history[-1][0] if history else None,
+            "final": history[-1][1] if history else math.nan,
+            "tail_mean": latest("tail_mean"), "tokens_per_s": latest("tokens_per_s")}
+
+
+def finished(row: dict[str, Any]) -> bool:
+    """A row without a status (built by hand, not read from a store) counts as finished."""
+    return row.get("status", "FINISHED") == "FINISHED"
+
+
+def check_duplicates(chains: list[dict[str, Any]]) -> None:
+    """Two finished chains of one method, seed and settings (all params) would be pooled as two seeds."""
+    seen: dict[tuple, dict[str, Any]] = {}
+    for c in filter(finished, chains):
+        key = (c["method"], c["seed"], tuple(sorted(c["settings"].items())))
+        if key in seen:
+            raise SystemExit(f"error: two finished runs of {c['method']} at seed {c['seed']} with the same "
+                             f"settings: {seen[key]['name']!r} and {c['name']!r} (a run started again instead of "
+                             "resumed, or a sweep run twice); delete one of them or give them different seeds")
+        seen[key] = c
 
 
 def add_paired_deltas(rows: list[dict[str, Any]], metric: str) -> None:
-    # Paired means same seed AND same learning rate; a run without such a baseline gets no delta (NaN).
+    """Paired means same seed AND same learning rate, both runs finished; any other row gets no delta (NaN)."""
     baselines: dict[tuple, dict[str, Any]] = {}
     for r in rows:
-        if not r["method"].startswith(BASELINE_METHOD):
+        if not r["method"].startswith(BASELINE_METHOD) or not finished(r):
             continue
         key = (r["seed"], r["lr"])
         if key in baselines:  # pairing against an arbitrary one of them would be silently wrong
@@ -191,13 +335,14 @@ def add_paired_deltas(rows: list[dict[str, Any]], metric: str) -> None:
         baselines[key] = r
     for row in rows:
         base = baselines.get((row["seed"], row["lr"]))
-        row["delta"] = row[metric] - base[metric] if base else math.nan
+        row["delta"] = row[metric] - base[metric] if base and finished(row) else math.nan
 
 
 def summarize(rows: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+    """Per method over its finished runs only: the mean metric and the mean and spread of its paired deltas."""
     summary = []
     for method in sorted({r["method"] for r in rows}):
-        mine = [r for r in rows if r["method"] == method]
+        mine = [r for r in rows if r["method"] == method and finished(r)]
         deltas = [r["delta"] for r in mine if not math.isnan(r["delta"])]
         values = [r[metric] for r in mine if not math.isnan(r[metric])]
         summary.append({
@@ -206,6 +351,7 @@ def summarize(rows: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
             "delta_mean": statistics.fmean(deltas) if deltas else math.nan,
             "delta_std": statistics.stdev(deltas) if len(deltas) > 1 else math.nan,
             "paired": len(deltas),
+            "unfinished": sum(1 for r in rows if r["method"] == method and not finished(r)),
         })
     return summary
 
@@ -222,20 +368,32 @@ def _spread(summary_row: dict[str, Any]) -> str:
     return f"{'-':>8}" + (f"  ({summary_row['paired']} seed)" if summary_row["paired"] == 1 else "")
 
 
+def state(row: dict[str, Any]) -> str:
+    """`done`, or the run's MLflow status and the step of its last validation (KILLED@49, RUNNING@-)."""
+    return "done" if finished(row) else f"{row['status']}@{'-' if row['step'] is None else row['step']}"
+
+
 def format_table(rows: list[dict[str, Any]], summary: list[dict[str, Any]], metric: str) -> str:
     width = max([len("method")] + [len(r["method"]) for r in rows])
-    lines = [f"{'method':<{width}} {'seed':>5} {'lr':>8} {'final':>8} {'tail':>8} {'delta':>8} {'tok/s':>9}  run"]
-    for r in sorted(rows, key=lambda r: (r["method"], str(r["seed"]), str(r["lr"]))):
-        lines.append(f"{r['method']:<{width}} {r['seed']:>5} {r['lr']:>8} {_number(r['final'], '.4f', 8)} "
-                     f"{_number(r['tail_mean'], '.4f', 8)} {_number(r['delta'], '+.4f', 8)} "
-                     f"{_number(r['tokens_per_s'], '.0f', 9)}  {r['name']}")
+    swidth = max([len("state")] + [len(state(r)) for r in rows])
+    lines = [f"{'method':<{width}} {'seed':>5} {'lr':>8} {'state':<{swidth}} {'final':>8} {'tail':>8} {'delta':>8} "
+             f"{'tok/s':>9}  run"]
+    for r in sorted(rows, key=lambda r: (r["method"], str(r["seed"]), str(r["lr"]), not finished(r))):
+        lines.append(f"{r['method']:<{width}} {r['seed']:>5} {r['lr']:>8} {state(r):<{swidth}} "
+                     f"{_number(r['final'], '.4f', 8)} {_number(r['tail_mean'], '.4f', 8)} "
+                     f"{_number(r['delta'], '+.4f', 8)} {_number(r['tokens_per_s'], '.0f', 9)}  {r['name']}")
     lines.append("")
     lines.append(f"{'method':<{width}} {'runs':>5} {'mean ' + metric:>18} {'paired delta':>13} {'+- std':>8}")
     for s in summary:
         lines.append(f"{s['method']:<{width}} {s['runs']:>5} {_number(s['mean'], '.4f', 18)} "
                      f"{_number(s['delta_mean'], '+.4f', 13)} {_spread(s)}")
-    lines += ["", "final: the last validation loss; tail: the mean validation loss over the last k validations "
-                  "(model.tail_k);",
+    unfinished = sum(s["unfinished"] for s in summary)
+    lines += ["", "state: done (the run, or its last resumed continuation, finished), else MLflow's status at the "
+                  "step of the last validation;"]
+    if unfinished:
+        lines.append(f"  {unfinished} unfinished run(s) are shown but left out of the means and deltas;")
+    lines += ["final: the last validation loss; tail: the mean validation loss over the last k validations "
+              "(model.tail_k);",
               f"delta: this run's {metric} minus that of the {BASELINE_METHOD} run of the same seed and lr "
               "(- when there is none);",
               "+- std: the spread of a method's deltas over its paired runs (- with fewer than two)."]
@@ -257,8 +415,9 @@ def build_compare_parser():
 @exits_on_user_error()
 def compare_main(argv: Optional[list[str]] = None) -> int:
     args = build_compare_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    rows = collect_runs(args.sweep, args.tracking_uri or [DEFAULT_TRACKING_URI], args.experiment)
-    add_paired_deltas(rows, args.metric)
+    rows = chain_runs(collect_runs(args.sweep, args.tracking_uri or [DEFAULT_TRACKING_URI], args.experiment))
+    add_paired_deltas(rows, args.metric)  # its message for two baselines names the pairing it cannot make
+    check_duplicates(rows)
     summary = summarize(rows, args.metric)
     print(format_table(rows, summary, args.metric))
     if args.json:

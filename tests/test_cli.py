@@ -145,7 +145,22 @@ def test_fit_tracks_in_mlflow_and_resume_reproduces_losses(tmp_path, monkeypatch
     assert lr_sum[7] == pytest.approx(sum(m.value for m in lrs), rel=1e-6)
     assert lr_sum[3] == pytest.approx(sum(m.value for m in lrs[:4]), rel=1e-6)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "routing", "checkpoints"} <= artifacts
+    # one copy of the final checkpoint: no MLflow upload by default, the run names the file instead
+    assert {"config.yaml", "routing"} <= artifacts and "checkpoints" not in artifacts
+    final = full_cli.trainer.checkpoint_callback.last_model_path
+    assert run.data.tags["checkpoint_path"] == os.path.abspath(final)
+    # last.ckpt and the top-k file of step 8 are one file (a hard link), each with a sidecar that verifies
+    top_k = Path(final).with_name("epoch=0-step=8.ckpt")
+    assert os.path.samefile(final, top_k) and os.stat(final).st_nlink == 2 and not os.path.islink(final)
+    from mhar_lit.lit.checkpoint_io import verify_checkpoint
+
+    assert verify_checkpoint(final) and verify_checkpoint(top_k)
+    assert Path(final + ".sha256").read_text().split() == [Path(f"{top_k}.sha256").read_text().split()[0], "last.ckpt"]
+    # the trainer settings that decide what ran, as params
+    assert {k: v for k, v in run.data.params.items() if k.startswith("trainer/")} == {
+        "trainer/max_steps": "8", "trainer/precision": "32-true", "trainer/accumulate_grad_batches": "1",
+        "trainer/devices": "1", "trainer/strategy": "SingleDeviceStrategy", "trainer/gradient_clip_val": "None",
+        "trainer/val_check_interval": "4"}
     heatmaps = {a.path for a in client.list_artifacts(run.info.run_id, "routing")}
     assert {"routing/heatmap_final.png", "routing/entropy_final.png", "routing/heatmap_step0000003.png",
             "routing/entropy_step0000003.png", "routing/heatmap_step0000007.png"} <= heatmaps

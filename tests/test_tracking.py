@@ -41,7 +41,14 @@ def test_tag_run_sets_the_tags_compare_groups_by(tmp_path):
     class Trainer:
         loggers = [logger]
         is_global_zero = True
+        max_steps, precision, accumulate_grad_batches, num_devices = 100, "bf16-mixed", 4, 2
+        strategy, gradient_clip_val, val_check_interval = object(), None, 50
 
     tag_run(Trainer(), FullAttnRes(heads=2), "tiny", "7")
-    tags = MlflowClient(uri).get_run(logger.run_id).data.tags
+    run = MlflowClient(uri).get_run(logger.run_id)
+    tags = run.data.tags
     assert (tags["method"], tags["seed"], tags["size"]) == ("FullAttnRes(heads=2)", "7", "tiny")
+    assert {k: v for k, v in run.data.params.items() if k.startswith("trainer/")} == {
+        "trainer/max_steps": "100", "trainer/precision": "bf16-mixed", "trainer/accumulate_grad_batches": "4",
+        "trainer/devices": "2", "trainer/strategy": "object", "trainer/gradient_clip_val": "None",
+        "trainer/val_check_interval": "50"}

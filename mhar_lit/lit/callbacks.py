@@ -1,5 +1,5 @@
-"""Training callbacks: throughput/MFU/memory, routing monitor (entropy + heatmaps), final checkpoint artifact,
-and the step progress bar."""
+"""Training callbacks: throughput/MFU/memory, routing monitor (entropy + heatmaps), the final checkpoint (one
+copy: last.ckpt a hard link of the top-k file), and the step progress bar."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
 from mhar_lit.residual.attnres import RoutedResidual
@@ -339,19 +339,26 @@ def log_figure(trainer: L.Trainer, figure: Any, artifact_file: str) -> None:
 
 
 class LogCheckpointArtifact(L.Callback):
-    """The run's final checkpoint: saved at the end of training, uploaded to the MLflow run, linked on resume.
+    """The run's final checkpoint: saved at the end of training, pointed to by the MLflow run, linked on resume.
+
+    One copy of the final checkpoint by default: the file in the run's checkpoint folder (`last.ckpt`, which
+    `OneCopyCheckpoint` makes a hard link of the top-k file of the same step), named in the run's tags.
+    Uploading it to MLflow as well is opt-in (`upload=True`): a third copy in the artifact store, useful only
+    when the artifact store is the one place the run's files outlive the machine.
 
     - At train end, `last.ckpt` is written again if the last save was at an earlier step (ModelCheckpoint saves
       at validations only, so max_steps off the validation interval, or a max_time stop, lost the last steps).
-    - At the end of fit the last (or best) checkpoint is uploaded as an artifact: only single files up to
-      `max_bytes` (a sharded checkpoint directory, or an 8B checkpoint with optimizer states, would duplicate
-      tens of GB into the artifact store); the run is always tagged with the checkpoint's path, and with its
-      folder (`checkpoint_dir`) when training starts, so a killed run still points at its last.ckpt.
+    - The run is tagged with its checkpoint folder (`checkpoint_dir`) when training starts, so a killed run
+      still points at its last.ckpt, and with the final checkpoint's path (`checkpoint_path`) at the end of fit.
+    - With `upload=True` the final checkpoint is uploaded as an artifact at the end of fit: only single files up
+      to `max_bytes` (a sharded checkpoint directory, or an 8B checkpoint with optimizer states, would
+      duplicate tens of GB into the artifact store).
     - A resumed fit is a new MLflow run tagged `resumed_from_run` (the run that wrote the checkpoint, kept in
       this callback's checkpoint state) and `resumed_from_checkpoint`.
     """
 
-    def __init__(self, max_bytes: int = 2 * 2**30) -> None:
+    def __init__(self, upload: bool = False, max_bytes: int = 2 * 2**30) -> None:
+        self.upload = upload
         self.max_bytes = max_bytes
         self._saved_step: Optional[int] = None  # global step of the newest checkpoint written in this fit
         self._run_id: Optional[str] = None
@@ -365,11 +372,10 @@ class LogCheckpointArtifact(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._saved_step = None
-        mlflow = _mlflow_logger(trainer)
-        self._run_id = mlflow.run_id if mlflow is not None and trainer.is_global_zero else None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         mlflow = _mlflow_logger(trainer)
+        self._run_id = mlflow.run_id if mlflow is not None and trainer.is_global_zero else None
         ckpt = trainer.checkpoint_callback
         if mlflow is not None and trainer.is_global_zero and ckpt is not None and ckpt.dirpath:
             # known from the start, so that a killed run still says where its last.ckpt is
@@ -418,11 +424,78 @@ class LogCheckpointArtifact(L.Callback):
         if mlflow is None or not path or not os.path.exists(path) or not trainer.is_global_zero:
             return
         mlflow.experiment.set_tag(mlflow.run_id, "checkpoint_path", os.path.abspath(path))
+        if not self.upload:
+            return
         if os.path.isfile(path) and os.path.getsize(path) <= self.max_bytes:
             mlflow.experiment.log_artifact(mlflow.run_id, path, artifact_path="checkpoints")
         else:
             log.warning("checkpoint %s not copied to MLflow (a directory or > %d bytes); its path is in the run's "
                         "'checkpoint_path' tag", path, self.max_bytes)
+
+
+class OneCopyCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint whose `last.ckpt` is a hard link of the top-k file saved at the same step (with
+    `save_last` true or "link"): one file on disk, not two. A hard link is a whole file, as `save_last=True`
+    promises, and, unlike Lightning's symbolic link for "link", never dangling (a top-k file removed later
+    leaves last.ckpt whole; a kill between the top-k save and the link leaves the previous last.ckpt). The link
+    gets its own sha256 sidecar (AtomicCheckpointIO's format, written so that a crash at any point leaves a pair
+    that verifies). Where hard links fail (another file system, a directory checkpoint) a symbolic link is made.
+
+    With no top-k file of the current step (a monitored metric that did not improve), last.ckpt is written as a
+    file of its own: Lightning's "link" would point it at the newest top-k file, of an earlier step."""
+
+    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
+        if not self.save_last:
+            return
+        wanted = self.save_last
+        same_step = bool(self._last_checkpoint_saved) and self._last_global_step_saved == trainer.global_step
+        self.save_last = "link" if same_step and self.save_top_k != 0 else True
+        try:
+            super()._save_last_checkpoint(trainer, monitor_candidates)
+        finally:
+            self.save_last = wanted
+
+    @staticmethod
+    def _link_checkpoint(trainer: L.Trainer, filepath: str, linkpath: str) -> None:
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            try:
+                hard_link_checkpoint(filepath, linkpath)
+            except OSError as err:
+                log.warning("last checkpoint: no hard link %s -> %s (%s); a symbolic link instead", linkpath,
+                            filepath, err)
+                if os.path.islink(linkpath) or os.path.isfile(linkpath):
+                    os.remove(linkpath)
+                os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), linkpath)
+        trainer.strategy.barrier()
+
+
+def hard_link_checkpoint(target: str, link: str) -> None:
+    """Make `link` a hard link of the checkpoint file `target`, replacing what was there atomically, with a
+    sidecar that accepts the old and new digests while the swap happens and then only the new one."""
+    import time
+    from pathlib import Path
+
+    from mhar_lit.lit.checkpoint_io import _write_sidecar, read_digests, sidecar_path
+
+    if os.path.isdir(target):
+        raise IsADirectoryError(target)
+    dest = Path(link)
+    if dest.is_symlink():  # its sidecar would resolve to the target's
+        dest.unlink()
+    digests = read_digests(target)
+    old = (read_digests(dest) or []) if dest.exists() else []
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    os.link(target, tmp)
+    try:
+        if digests is not None:
+            _write_sidecar(dest, digests + [d for d in old if d not in digests])
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if digests is not None:
+        _write_sidecar(dest, digests)
+    elif sidecar_path(dest).exists():
+        sidecar_path(dest).unlink()
 
 
 class StepProgressBar(TQDMProgressBar):
