@@ -89,7 +89,10 @@ def quiet_third_party() -> None:
 
 
 def build_cli(args: Optional[list[str]] = None, run: bool = True):
-    """The LightningCLI of mhar_lit (also used by tests with run=False)."""
+    """The LightningCLI of mhar_lit (also used by tests with run=False).
+
+    Its Lightning subclasses are defined in here, not at module level, so that `python -m mhar_lit --help` and the
+    tools that do not train never import Lightning (seconds of start-up); that is why this function is long."""
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
     from lightning.pytorch.loggers import MLFlowLogger
 

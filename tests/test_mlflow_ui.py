@@ -113,7 +113,7 @@ def ui(trained):
     root, uri, _, _ = trained
     port, log = _free_port(), root / "mlflow_ui.log"
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
-    with open(log, "w") as out:  # its own session, so that stopping it also stops its uvicorn workers
+    with open(log, "w") as out:  # its own process group, so that stopping it also stops its uvicorn workers
         server = subprocess.Popen(
             [str(UI_MLFLOW), "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port),
              "--workers", "1"], cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
