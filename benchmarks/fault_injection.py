@@ -56,21 +56,25 @@ def children(pid: int) -> list[int]:
 
 
 def run_with_kills(cmd: list[str], env: dict, rng: random.Random, kills_left: int, log) -> tuple[int, int]:
-    """Run a sweep command, SIGKILLing a fit child after random delays while kills are left; (rc, kills)."""
+    """Run a sweep command; each fit child it starts is, while kills are left, marked for a SIGKILL with
+    probability 0.7 at a random age of 4-30 s (startup, training, a validation or a checkpoint save: a fit
+    here lasts ~20-40 s on 2 cores). Returns (exit code, kills)."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    kills = 0
+    kills, seen, due = 0, set(), {}
     while proc.poll() is None:
-        if kills < kills_left:
-            deadline = time.monotonic() + rng.uniform(8.0, 35.0)
-            while time.monotonic() < deadline and proc.poll() is None:
-                time.sleep(0.2)
-            fits = children(proc.pid)
-            if fits and proc.poll() is None:
-                os.kill(fits[0], signal.SIGKILL)
-                kills += 1
-                print(f"  killed fit pid {fits[0]} ({kills}/{kills_left} this round)", flush=True)
-        else:
-            time.sleep(0.5)
+        for pid in children(proc.pid):
+            if pid not in seen:
+                seen.add(pid)
+                if kills + len(due) < kills_left and rng.random() < 0.7:
+                    due[pid] = time.monotonic() + rng.uniform(4.0, 30.0)
+        for pid, when in list(due.items()):
+            if time.monotonic() >= when:
+                del due[pid]
+                if pid in children(proc.pid):
+                    os.kill(pid, signal.SIGKILL)
+                    kills += 1
+                    print(f"  killed fit pid {pid} ({kills}/{kills_left} this round)", flush=True)
+        time.sleep(0.2)
     return proc.returncode, kills
 
 
