@@ -34,7 +34,7 @@ $(UI_MLFLOW):
 	test -x $(UI_VENV)/bin/python || $(PYTHON) -m venv $(UI_VENV)
 	$(UI_VENV)/bin/python -m pip install --quiet "mlflow==3.17.2"
 
-# chromium and chromedriver from Debian (only when missing), and Selenium's Python bindings in the test venv.
+# chromium and chromedriver from Debian (only when missing); Selenium comes with the test extra.
 # Where apt cannot install them (no root, no sudo, no mirror) the suite still runs: the browser test skips,
 # naming what is missing, except under CI (CI set), where it fails.
 browser: $(STAMP)

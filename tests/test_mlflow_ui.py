@@ -43,7 +43,7 @@ def _missing_tools() -> list[str]:
     try:
         import selenium  # noqa: F401
     except ImportError:
-        missing.append("the selenium package in this Python (`make browser`)")
+        missing.append("the selenium package in this Python (the test extra: `make install`)")
     return missing
 
 

@@ -147,6 +147,20 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: Path) -> Path:
     return out_path
 
 
+def cached_bpe_path(spec: str, cache_dir: str | os.PathLike | None) -> Path:
+    """The tokenizer.json that a `bpe:<vocab>` run trained and cached (`cache_dir/tokenizers/bpe-<vocab>-<key>.json`).
+    The key hashes the training corpus, which a checkpoint does not record, so the file must be the only one of
+    that vocabulary in the folder; otherwise a FileNotFoundError lists what was found."""
+    vocab = _parse_bpe_vocab(spec)
+    folder = Path(cache_dir or "data_cache") / "tokenizers"
+    found = sorted(folder.glob(f"bpe-{vocab}-*.json"))
+    if len(found) != 1:
+        what = "none" if not found else ", ".join(str(f) for f in found)
+        raise FileNotFoundError(f"tokenizer {spec!r} was trained for its run: expected one cached "
+                                f"bpe-{vocab}-*.json in {folder}, found {what}")
+    return found[0]
+
+
 def load_tokenizer(
     spec: str,
     eos: str | int | None = None,

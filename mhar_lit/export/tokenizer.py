@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from mhar_lit.convert.hf_config import ConversionError
+from mhar_lit.data.tokenizer import cached_bpe_path
 
 BYTE_EOS = "<|endoftext|>"
 # Files that describe an HF tokenizer besides tokenizer.json, copied when they sit next to it.
@@ -64,19 +65,11 @@ def checkpoint_tokenizer(settings: dict[str, Any], override: Optional[str]) -> t
                               "--tokenizer bytes or --tokenizer PATH/tokenizer.json")
     spec = str(spec)
     if spec.startswith("bpe:"):
-        return _trained_bpe(spec, settings), settings.get("eos")
+        try:
+            return str(cached_bpe_path(spec, settings.get("cache_dir"))), settings.get("eos")
+        except FileNotFoundError as err:
+            raise ConversionError(f"{err}: pass --tokenizer with the path of its tokenizer.json") from None
     return spec, settings.get("eos")
-
-
-def _trained_bpe(spec: str, settings: dict[str, Any]) -> str:
-    """The cached tokenizer.json of a `bpe:<vocab>` run (cache_dir/tokenizers/bpe-<vocab>-<key>.json), if unique."""
-    cache = Path(settings.get("cache_dir") or "data_cache") / "tokenizers"
-    found = sorted(cache.glob(f"bpe-{spec.split(':', 1)[1]}-*.json"))
-    if len(found) != 1:
-        what = "none" if not found else f"{len(found)} candidates"
-        raise ConversionError(f"tokenizer {spec!r} was trained for the run and cached under {cache} ({what} found); "
-                              "pass --tokenizer with the path of its tokenizer.json")
-    return str(found[0])
 
 
 def write_tokenizer(spec: str, eos: Optional[str | int], out: Path, vocab_size: int) -> int:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from mhar_lit.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from mhar_lit.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, cached_bpe_path
 
 
 @dataclass
@@ -46,18 +46,6 @@ def _tokenizer_from_spec(spec: str, eos: Optional[str | int], where: str) -> Tok
     return HFTokenizer(path, eos=eos)
 
 
-def _cached_bpe(settings: dict[str, Any], ckpt: str) -> str:
-    """The tokenizer.json that training cached for a 'bpe:<vocab>' spec (one per corpus under cache_dir)."""
-    vocab = str(settings["tokenizer"]).split(":", 1)[1]
-    folder = Path(str(settings.get("cache_dir") or "data_cache")) / "tokenizers"
-    found = sorted(folder.glob(f"bpe-{vocab}-*.json"))
-    if len(found) != 1:
-        what = "none" if not found else ", ".join(str(f) for f in found)
-        raise FileNotFoundError(f"{ckpt} was trained with tokenizer {settings['tokenizer']!r}; expected one cached "
-                                f"bpe-{vocab}-*.json in {folder}, found {what}: pass --tokenizer PATH")
-    return str(found[0])
-
-
 def checkpoint_tokenizer(ckpt: str, eos: Optional[str | int] = None) -> Tokenizer:
     """The tokenizer recorded in a Lightning checkpoint's datamodule settings (loaded memory-mapped)."""
     checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
@@ -68,7 +56,10 @@ def checkpoint_tokenizer(ckpt: str, eos: Optional[str | int] = None) -> Tokenize
     spec = str(settings["tokenizer"])
     eos = eos if eos is not None else settings.get("eos")
     if spec.startswith("bpe:"):
-        spec = _cached_bpe(settings, ckpt)
+        try:
+            spec = str(cached_bpe_path(spec, settings.get("cache_dir")))
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"{ckpt}: {err}: pass --tokenizer PATH") from None
     return _tokenizer_from_spec(spec, eos, f"recorded in {ckpt}")
 
 
