@@ -61,7 +61,8 @@ def test_captured_callable_serves_its_shape_and_other_shapes_run_eagerly(monkeyp
         _fit(module, batches)
     _fit(eager, batches)
     assert captured == [((2, 8), (2, 8))]
-    assert module._graphed_loss.graphed.calls == [(2, 8)] * 3 and module._graphed_loss.eager_batches == 1
+    # one call at capture learns the static gradient buffers (GraphGradients), then one per batch of that shape
+    assert module._graphed_loss.graphed.calls == [(2, 8)] * 4 and module._graphed_loss.eager_batches == 1
     for (name, p), (_, q) in zip(module.named_parameters(), eager.named_parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)  # the same training, step for step
 
@@ -91,10 +92,73 @@ def test_default_takes_the_captured_path_when_capture_is_valid(monkeypatch):
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_make_graphed_callables)
     module = LanguageModel(size="tiny", warmup_steps=1)
     _fit(module, [torch.randint(0, 256, (2, 9)) for _ in range(2)])
-    assert module._graphed_loss.decision is True and calls == [(2, 8), (2, 8)]
+    assert module._graphed_loss.decision is True and calls == [(2, 8)] * 3  # capture's probe + 2 batches
 
 
 def test_cuda_graph_false_and_compile_train_eagerly():
     """An explicit `cuda_graph: false`, or `compile: true`, never builds the capture path."""
     assert LanguageModel(size="tiny", cuda_graph=False)._graphed_loss is None
     assert LanguageModel(size="tiny", compile=True)._graphed_loss is None
+
+
+def _static_buffer_graphs(loss_module, sample_args, allow_unused_input=False):
+    """A CPU stand-in for make_graphed_callables with its gradient semantics: the backward writes the parameters'
+    gradients into static buffers that every call reuses and returns `buffer.detach()`, as the real one does."""
+    params = [p for p in loss_module.parameters() if p.requires_grad]
+    static_grads = [torch.zeros_like(p) for p in params]
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inputs, targets, *weights):
+            ctx.save_for_backward(inputs, targets)
+            out = loss_module(inputs, targets)
+            return tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
+
+        @staticmethod
+        def backward(ctx, *grad_outputs):
+            inputs, targets = ctx.saved_tensors
+            with torch.enable_grad():
+                out = loss_module(inputs, targets)
+                outs = out if isinstance(out, tuple) else (out,)
+                grads = torch.autograd.grad(outs, params, grad_outputs, allow_unused=True)
+            for buffer, grad in zip(static_grads, grads):
+                buffer.copy_(grad) if grad is not None else buffer.zero_()
+            return (None, None, *(b.detach() for b in static_grads))
+
+    return lambda inputs, targets: Replay.apply(inputs, targets, *params)
+
+
+def _captured_and_eager_after_accumulation(monkeypatch, accumulate: int):
+    monkeypatch.setattr(cuda_graph, "capture_problems", lambda module: [])
+    monkeypatch.setattr(cuda_graph, "check_supported", lambda module: None)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", _static_buffer_graphs)
+    torch.manual_seed(0)
+    captured = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, warmup_steps=1)
+    eager = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, warmup_steps=1, cuda_graph=False)
+    eager.load_state_dict(captured.state_dict())
+    batches = [torch.randint(0, 256, (2, 9)) for _ in range(3 * accumulate)]
+    for module in (captured, eager):
+        trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, enable_model_summary=False, accumulate_grad_batches=accumulate)
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    assert captured._graphed_loss.decision is True
+    return captured, eager
+
+
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_captured_step_equals_eager_under_gradient_accumulation(monkeypatch, accumulate):
+    """Static gradient buffers reused by every replay must not alias .grad across microbatches: after 3 optimizer
+    steps of `accumulate` microbatches, captured and eager parameters are identical (same ops, same order)."""
+    captured, eager = _captured_and_eager_after_accumulation(monkeypatch, accumulate)
+    for (name, p), (_, q) in zip(captured.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_the_stand_in_reproduces_the_aliasing_defect_without_the_guard(monkeypatch):
+    """Without GraphGradients the stand-in's static buffers corrupt accumulated gradients (the defect the guard
+    fixes), so the test above would catch a regression."""
+    monkeypatch.setattr(cuda_graph.GraphGradients, "before_backward", lambda self, grad: grad)
+    captured, eager = _captured_and_eager_after_accumulation(monkeypatch, 4)
+    differs = [name for (name, p), (_, q) in zip(captured.named_parameters(), eager.named_parameters())
+               if not torch.equal(p, q)]
+    assert len(differs) > len(list(captured.parameters())) // 2, differs

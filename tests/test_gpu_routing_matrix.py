@@ -1,5 +1,6 @@
 """The fused routing on a real GPU at the widths users train: full, block and call (delta) mode, H in {1, 2, 4, 8, 16},
-fp32 and bf16, at the 100M (d 512, 12 layers), 1B (d 1280, 36 layers) and 8B (d 4096, 32 layers) shapes.
+fp32 and bf16, at the 100M (d 512, 12 layers), 350M (d 1024, 24 layers), 1B (d 1280, 36 layers) and 8B (d 4096,
+32 layers) shapes; and at the shipped shapes, that a kernel whose gradient of one input is off by 1% fails the check.
 
 Each case is mhar_lit.routing.check at that shape: one forward pass over every site on random routing parameters
 and a backward from a random projection of the final site, on the triton router and on the torch router in the
@@ -20,6 +21,8 @@ import torch
 
 from mhar_lit.kernels.full_routing import MAX_FP32_HEAD_WIDTH
 from mhar_lit.routing.check import compare_with_reference
+from mhar_lit.routing.factory import make_router
+from routing_defects import DEFECT_INPUTS, OffByOnePercent
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the fused kernels at real widths); "
@@ -28,7 +31,8 @@ pytestmark = [
                        "(tests/conftest.py): run this file alone with TRITON_INTERPRET=0 for compiled kernels"),
 ]
 
-WIDTHS = {"100M": (512, 12), "1B": (1280, 36), "8B": (4096, 32)}
+WIDTHS = {"100M": (512, 12), "350M": (1024, 24), "1B": (1280, 36), "8B": (4096, 32)}
+SHIPPED = ("100M", "350M", "1B")
 TOKENS = 256  # one sequence: the kernels tile tokens; the width, heads and depth set the tile shapes
 
 
@@ -50,3 +54,22 @@ def test_fused_routing_runs_and_matches_the_reference(shape, mode, heads, dtype)
     result = compare_with_reference(mode, "triton", heads, embedding, 2 * layers + 1, dtype,
                                     router_options=options, seed=seed)
     assert result["passed"], result["failed"]
+
+
+@pytest.mark.parametrize("shape", SHIPPED)
+@pytest.mark.parametrize("mode", ["full", "block"])
+@pytest.mark.parametrize("heads", [1, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_kernel_off_by_one_percent_fails_the_check(shape, mode, heads, dtype):
+    """The Triton router with the gradient of one input 1% too large fails, at every shipped shape and dtype."""
+    width, layers = WIDTHS[shape]
+    seed = zlib.crc32(f"defect-{shape}-{mode}-{heads}-{dtype}".encode())
+    embedding = torch.randn(1, TOKENS, width, generator=torch.Generator().manual_seed(seed),
+                            dtype=torch.float64).cuda()
+    options = {"span": 4} if mode == "block" else {}
+    for which in DEFECT_INPUTS:
+        router = OffByOnePercent(make_router(mode, "triton", heads, 1e-6, **options), which)
+        result = compare_with_reference(mode, "triton", heads, embedding, 2 * layers + 1, dtype,
+                                        router_options=options, seed=seed, under_test=router)
+        assert not result["passed"], (which, result)
+        assert any(f.startswith(f"grad_{which}") for f in result["failed"]), (which, result["failed"])

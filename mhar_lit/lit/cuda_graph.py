@@ -16,6 +16,13 @@ with graphs are not tested here); no routing-weight recording inside the trainin
 their own eager pass).
 A batch of another shape than the first (a last partial batch) runs eagerly on the same parameters, with
 a warning the first time: same function, just not replayed.
+
+Gradient accumulation: the captured backward hands autograd its static gradient buffers, which the next replay
+overwrites. A parameter whose .grad is None adopts such a buffer as its .grad (AccumulateGrad steals a tensor
+nobody else holds), so with several microbatches per step the next replay would overwrite the running sum and
+the add after it would double the last microbatch's gradient. `GraphGradients` gives such a .grad storage of
+its own right before the next captured backward (one copy per optimizer step, only when accumulating), so a
+captured step is the same function as an eager one for any accumulation.
 """
 
 from __future__ import annotations
@@ -66,6 +73,32 @@ def check_supported(module) -> None:
         raise RuntimeError("cuda_graph=True cannot capture this run: " + "; ".join(problems))
 
 
+class GraphGradients:
+    """Keeps parameters' .grad out of a captured graph's static gradient buffers (see the module docstring).
+
+    The buffers' addresses are learnt once, at capture, from one backward through the graphed callable. Right
+    before each captured backward (a hook on the loss), a .grad that is such a buffer, adopted by an earlier
+    backward of the same optimizer step, is copied into storage of its own, so the replay cannot overwrite it and
+    the backward adds into the copy. With one microbatch per step the optimizer has zeroed the gradients (to None)
+    by then, and nothing is copied."""
+
+    def __init__(self, graphed: Callable, sample_args: tuple, parameters) -> None:
+        self.parameters = [p for p in parameters if p.requires_grad]
+        out = graphed(*sample_args)
+        outs = out if isinstance(out, tuple) else (out,)
+        grads = torch.autograd.grad(outs, self.parameters, [torch.ones_like(o) for o in outs], allow_unused=True)
+        self.static = {g.data_ptr() for g in grads if g is not None}
+        self.copies = 0
+
+    def before_backward(self, grad: Tensor) -> Tensor:
+        """Tensor hook on the captured loss: copy every .grad that aliases a static buffer."""
+        for p in self.parameters:
+            if p.grad is not None and p.grad.data_ptr() in self.static:
+                p.grad = p.grad.clone()
+                self.copies += 1
+        return grad
+
+
 class GraphedLoss:
     """Training loss (ce, z) of a LanguageModel through captured graphs, captured at the first batch.
 
@@ -77,6 +110,7 @@ class GraphedLoss:
         self.required = required
         self.shape: Optional[torch.Size] = None
         self.graphed: Optional[Callable] = None
+        self.gradients: Optional[GraphGradients] = None
         self.eager_batches = 0
         self.decision: Optional[bool] = None
 
@@ -96,6 +130,7 @@ class GraphedLoss:
             loss_module = _LossModule(module.model, bool(module.hparams.z_loss))
             # allow_unused_input: a parameter the loss does not reach gets no gradient, as in eager mode
             self.graphed = torch.cuda.make_graphed_callables(loss_module, (inputs, targets), allow_unused_input=True)
+            self.gradients = GraphGradients(self.graphed, (inputs, targets), module.model.parameters())
             self.shape = inputs.shape
         if inputs.shape != self.shape:
             if self.eager_batches == 0:
@@ -105,6 +140,7 @@ class GraphedLoss:
             return module._loss(batch)[:2]
         out = self.graphed(inputs, targets)  # static output buffers: callers copy what they keep
         ce, z = out if isinstance(out, tuple) else (out, None)
+        ce.register_hook(self.gradients.before_backward)
         return ce, (z if z is not None else ce.new_zeros(()))
 
 

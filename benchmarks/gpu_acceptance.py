@@ -1,0 +1,175 @@
+"""The user's path on one GPU, with the shipped defaults (capture, Triton routing and its first-batch check on):
+`fit` of every shipped method from the paper recipes, `generate` and `export` on a checkpoint a fit wrote, the
+exported directory in transformers, captured against eager training under gradient accumulation, and the GPU
+test files. Run by benchmarks/gpu_acceptance.sh; writes benchmarks/results/gpu_acceptance.json (or --out):
+`commit`, `device`, `date`, `cases` ([{"name", "passed", "detail", "seconds"}]) and `passed`.
+
+Stated reductions, for the 10-minute budget: each fit runs 2 optimizer steps with the recipe's own microbatch,
+sequence length and accumulation; the corpus is the embedded standard-library source at byte level (the recipes'
+corpus paths are placeholders; the model keeps the paper's vocabulary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METHODS = ["baseline", "hc", "single-head", "mhar", "block-mhar"]
+ROUTED = {"single-head", "mhar", "block-mhar"}
+DATA = ["--data.data", "null", "--data.tokenizer", "bytes", "--data.max_corpus_bytes", "3000000",
+        "--data.num_workers", "2", "--data.cache_dir", "{work}/data_cache"]
+
+
+class Acceptance:
+    def __init__(self, work: str, budget_s: float) -> None:
+        self.work, self.t0, self.budget_s, self.cases = work, time.time(), budget_s, []
+
+    def left(self) -> float:
+        return self.budget_s - (time.time() - self.t0)
+
+    def add(self, name: str, passed: bool, detail: str, seconds: float) -> None:
+        self.cases.append({"name": name, "passed": bool(passed), "detail": detail[-1500:], "seconds": round(seconds, 1)})
+        print(f"[{time.time() - self.t0:5.0f}s] {'PASS' if passed else 'FAIL'} {name} ({seconds:.0f}s)", flush=True)
+
+    def run(self, cmd: list[str], timeout: float, log: str, env: dict | None = None) -> tuple[int, str, float]:
+        start = time.time()
+        timeout = max(5.0, min(timeout, self.left()))
+        with open(log, "w") as fh:
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
+                                    env={**os.environ, **(env or {})}).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        return rc, open(log, errors="replace").read(), time.time() - start
+
+
+def fit_command(work: str, size: str, method: str, steps: int) -> list[str]:
+    name = f"{size}-{method}"
+    return [sys.executable, "-m", "mhar_lit", "fit", "--config", f"configs/paper/{size}/{method}.yaml",
+            "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
+            "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
+            "--trainer.enable_progress_bar", "false", "--checkpoint.every_n_train_steps", str(steps),
+            "--trainer.default_root_dir", f"{work}/{name}",
+            "--trainer.logger.init_args.tracking_uri", f"sqlite:///{work}/{name}.db",
+            *[a.format(work=work) for a in DATA]]
+
+
+def fit_case(acc: Acceptance, size: str, method: str, steps: int = 2) -> None:
+    name = f"fit {size} {method}"
+    rc, log, secs = acc.run(fit_command(acc.work, size, method, steps), 240, f"{acc.work}/{size}-{method}.log")
+    problems = [] if rc == 0 else [f"exit {rc}"]
+    if "training steps: captured (CUDA graphs)" not in log:
+        problems.append("did not train on the captured path")
+    if method in ROUTED and "depth routing backend: triton" not in log:
+        problems.append("routing did not run on triton")
+    if method in ROUTED and "routing differs" in log:
+        problems.append("first-batch router check failed")
+    detail = "; ".join(problems) if problems else (
+        "captured path" + (", Triton routing, first-batch check passed" if method in ROUTED else ""))
+    tail = "\n".join(log.strip().splitlines()[-8:]) if problems else ""
+    acc.add(name, not problems, detail + ("\n" + tail if tail else ""), secs)
+
+
+def generate_and_export(acc: Acceptance) -> None:
+    ckpts = sorted(glob.glob(f"{acc.work}/100M-mhar/**/last.ckpt", recursive=True))
+    if not ckpts:
+        acc.add("generate", False, "no checkpoint from fit 100M mhar", 0)
+        acc.add("export + transformers", False, "no checkpoint from fit 100M mhar", 0)
+        return
+    rc, log, secs = acc.run([sys.executable, "-m", "mhar_lit", "generate", "--ckpt", ckpts[0], "--prompt", "def ",
+                             "--max_new_tokens", "24"], 120, f"{acc.work}/generate.log")
+    acc.add("generate", rc == 0 and len(log.strip()) > 0, f"exit {rc}: " + log.strip()[-300:], secs)
+    out = f"{acc.work}/exported"
+    rc, log, secs = acc.run([sys.executable, "-m", "mhar_lit", "export", "--ckpt", ckpts[0], "--to", out,
+                             "--dtype", "float32"], 120, f"{acc.work}/export.log")
+    if rc != 0:
+        acc.add("export + transformers", False, f"export exit {rc}: " + log.strip()[-500:], secs)
+        return
+    rc, log, secs2 = acc.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_acceptance.py"),
+                              "--compare-exported", out], 120, f"{acc.work}/compare.log")
+    acc.add("export + transformers", rc == 0, log.strip()[-500:], secs + secs2)
+
+
+def compare_exported(directory: str) -> None:
+    """Logits of the exported directory through transformers (remote code) against mhar_lit's loader, fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import mhar_lit
+
+    ours = mhar_lit.load_pretrained(directory).cuda().eval()
+    theirs = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, torch_dtype=torch.float32)
+    theirs = theirs.cuda().eval()
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        a, b = ours(ids).float(), theirs(ids).logits.float()
+    rel = ((a - b).abs().max() / a.abs().max()).item()
+    print(f"transformers vs mhar_lit logits, fp32: max relative difference {rel:.2e} (bound 1e-4)")
+    sys.exit(0 if rel <= 1e-4 else 1)
+
+
+def graph_checks(acc: Acceptance) -> None:
+    for size, precision, accumulate in (("demo", "32-true", 4), ("100M", "bf16-true", 4)):
+        out = f"{acc.work}/graph_{size}.json"
+        rc, log, secs = acc.run([sys.executable, "benchmarks/graph_fit_check.py", "--size", size, "--precision",
+                                 precision, "--accumulate", str(accumulate), "--steps", "3", "--out", out], 200,
+                                f"{acc.work}/graph_{size}.log")
+        table = log.strip().splitlines()[-3:]
+        acc.add(f"captured = eager, accumulate {accumulate}, {size} {precision}", rc == 0, "\n".join(table), secs)
+
+
+def gpu_tests(acc: Acceptance) -> None:
+    for name, cmd, env in (
+            ("tests: GPU routing matrix", ["tests/test_gpu_routing_matrix.py"], {"TRITON_INTERPRET": "0"}),
+            ("tests: CUDA graph and generation", ["tests/test_cuda_graph.py", "tests/test_generation.py",
+                                                  "tests/test_routing_backend.py"], {})):
+        rc, log, secs = acc.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *cmd], 300,
+                                f"{acc.work}/{name.split(':')[1].strip().replace(' ', '_')}.log", env)
+        acc.add(name, rc == 0, "\n".join(log.strip().splitlines()[-6:]), secs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu_acceptance.json"))
+    parser.add_argument("--work", default="/tmp/gpu_acceptance")
+    parser.add_argument("--budget-s", type=float, default=540)
+    parser.add_argument("--parallel", type=int, default=3, help="fits run at once on the GPU")
+    parser.add_argument("--compare-exported", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.compare_exported:
+        return compare_exported(args.compare_exported)
+    os.makedirs(args.work, exist_ok=True)
+    acc = Acceptance(args.work, args.budget_s)
+    fit_case(acc, "100M", "baseline")  # prepares the corpus cache the other fits share
+    plan = [("100M", m) for m in METHODS[1:]] + [(s, m) for s in ("350M", "1B") for m in ("baseline", "mhar")]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        list(pool.map(lambda sm: fit_case(acc, *sm), plan))
+    generate_and_export(acc)
+    graph_checks(acc)
+    gpu_tests(acc)
+    import torch
+
+    report = {"commit": args.commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": dt.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+              "seconds": round(time.time() - acc.t0), "cases": acc.cases,
+              "passed": bool(acc.cases) and all(c["passed"] for c in acc.cases)}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(report, fh, indent=1)
+    print(f"\n{'case':<48} {'passed':<7} seconds")
+    for c in acc.cases:
+        print(f"{c['name']:<48} {str(c['passed']):<7} {c['seconds']}")
+    print(f"all passed: {report['passed']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU acceptance run (benchmarks/gpu_acceptance.py says what it runs): one command, under 10 minutes on one
+# H100 or H200, from the repository root. The GPU machine lacks litdata, jsonargparse and mlflow-skinny: put their
+# wheels in .whl first (../shared/tools/gpu-wheels.sh .whl) and carry .whl. COMMIT is recorded in the JSON (the
+# device's copy of the tree has no git history); with $OUT set, the JSON and the logs are copied there too.
+#     bash benchmarks/gpu_acceptance.sh [COMMIT]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" || exit 1
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true
+COMMIT=${1:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+python3 benchmarks/gpu_acceptance.py --commit "$COMMIT" --budget-s "${BUDGET_S:-540}"
+rc=$?
+if [[ -n "${OUT:-}" ]]; then
+  cp benchmarks/results/gpu_acceptance.json "$OUT/" 2>/dev/null
+  tar czf "$OUT/acceptance_logs.tgz" -C /tmp gpu_acceptance --exclude='*/data_cache' --exclude='*.ckpt' \
+    --exclude='*/exported' --exclude='*.safetensors' 2>/dev/null
+fi
+exit $rc
