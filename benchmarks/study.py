@@ -3,7 +3,7 @@
     python benchmarks/study.py corpus OUT
     python benchmarks/study.py piece SET --out DIR [--commit SHA] [--budget_s 560]
     python benchmarks/study.py print-call SET          (here: the device call of one piece, with this commit)
-    python benchmarks/study.py piece SET --tiny --out DIR --root DIR   (the same pipeline on the CPU in seconds)
+    python benchmarks/study.py piece SET --tiny --out DIR --root DIR   (the same pipeline on the CPU)
 
 A set (SETS) is at most four (arm, seed) runs. `piece` builds the corpus if it is missing,
 starts or resumes (from its newest last.ckpt) every run of the set as its own `python -m mhar_lit fit` process,
@@ -40,10 +40,11 @@ DEFAULT_ROOT = REPO / "runs/study"  # git-ignored: survives between two calls on
 DEFAULT_BASE = REPO / "configs/study/base.yaml"
 TINY_BASE = REPO / "configs/study/tiny.yaml"
 ARMS_DIR = REPO / "configs/study/arms"
-# arm -> method overlay (docs/study.md says what each tests): the shipped methods, then every configs/study/arms file
+# arm -> method overlay, in the report's order (docs/study.md says what each tests); the extras last
 ARMS = {"baseline": "configs/methods/baseline.yaml", "H1": "configs/methods/single-head.yaml",
         "H8": "configs/methods/mhar.yaml",
-        **{p.stem: str(p.relative_to(REPO)) for p in sorted(ARMS_DIR.glob("*.yaml"))}}
+        **{arm: f"configs/study/arms/{arm}.yaml" for arm in
+           ("H8-heads", "H8-lr", "H1-lr", "H4-heads", "H16-heads", "H8-sqrt", "H8-fp32")}}
 # The runs in sets of at most four, each set side by side on one GPU in two pieces of under 10 minutes on the same
 # machine (docs/study.md), in this order: a1 holds the comparison that matters most (H8-heads against H1 and H8),
 # b1 the control and the shape in H; a2 and b2 are the second seed; x the extras.
@@ -59,6 +60,7 @@ EXPORT_METRICS = {  # exported name -> MLflow key
     "train_loss": "train/loss", "entropy": "routing/entropy", "logit_spread": "routing/logit_spread",
     "lr_sum": "train/lr_sum", "routing_lr_sum": "train/routing_lr_sum", "tokens_per_s": "train/tokens_per_s"}
 LOG_TAIL_LINES = 30
+MIN_START_S = 90  # a run started with less time than this before SIGTERM could not reach its first checkpoint
 CORPUS_SUFFIXES = {".py": "python", ".md": "docs", ".rst": "docs", ".txt": "docs", ".h": "headers",
                    ".hpp": "headers", ".hh": "headers", ".hxx": "headers"}
 MAX_FILE_BYTES = 1 << 20  # larger files are generated tables and vendored bundles, not text to learn from
@@ -358,6 +360,9 @@ def run_piece(root: Path, base: Path, runs: list[tuple[str, int]], corpus: Path,
         if record["step"] >= until:
             print(f"{run_dir.name}: at step {record['step']} of {until}, nothing to do", flush=True)
             continue
+        if hard_deadline - time.time() < MIN_START_S:  # the next piece trains on the cached tokens instead
+            print(f"{run_dir.name}: not started, too little of the piece is left after preparing the data", flush=True)
+            continue
         started.append((run_dir, record, time.time(), *_start_run(run_dir, record, deadline, cache_dir, env)))
     _wait([proc for *_, proc, _ in started], hard_deadline)
     for run_dir, record, began, proc, log_path in started:
@@ -455,7 +460,7 @@ def _device_facts() -> dict[str, Any]:
 
 
 def piece_stage(args: argparse.Namespace) -> int:
-    start = time.time()
+    start = args.started_at or time.time()
     deadline, hard_deadline = start + args.budget_s - args.margin_s, start + args.budget_s - args.kill_margin_s
     base = Path(args.base or (TINY_BASE if args.tiny else DEFAULT_BASE)).resolve()
     root, out = Path(args.root), Path(args.out)
@@ -508,8 +513,8 @@ def print_call_stage(args: argparse.Namespace) -> int:
         raise SystemExit(".whl/ has no wheels: run ../shared/tools/gpu-wheels.sh .whl here first")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                             check=True).stdout.strip()
-    command = (f"{WHEEL_INSTALL} || exit 1; export PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true; "
-               f"python3 benchmarks/study.py piece {args.runs} --out $OUT --commit {commit}")
+    command = (f"S=$(date +%s); {WHEEL_INSTALL} || exit 1; export PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true; "
+               f"python3 benchmarks/study.py piece {args.runs} --out $OUT --commit {commit} --started_at $S")
     print(f'run(command="{command}", carry=[".whl"], timeout_s=600)')
     print("then the same call again at once (the machine stays warm for 30 s): the second piece resumes the first")
     return 0
@@ -525,6 +530,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     piece.add_argument("--out", required=True, help="where study-SET.json, its summary and plots go ($OUT)")
     piece.add_argument("--commit", default="unknown", help="the commit of the copied tree, recorded in the export")
     piece.add_argument("--budget_s", type=float, default=560.0, help="wall-clock budget of the whole piece")
+    piece.add_argument("--started_at", type=float, help="when the budget began (seconds since the epoch; default "
+                                                        "now): the device call's start, before the wheels install")
     piece.add_argument("--margin_s", type=float, default=80.0,
                        help="seconds before the budget's end at which runs are asked to stop (validation, "
                             "checkpoint, export)")

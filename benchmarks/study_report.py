@@ -63,7 +63,10 @@ def load_runs(files: list[Path]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
                              f"({', '.join(sorted(v[:12] for v in values))}): their losses are not comparable")
     if any(s != schedules[0] for s in schedules):
         raise SystemExit("the exports mix schedules: their losses are not comparable")
-    return sorted(runs.values(), key=lambda r: (r["arm"], r["seed"])), schedules[0]
+    from benchmarks.study import ARMS
+
+    order = {arm: i for i, arm in enumerate(ARMS)}  # baseline, H1, H8, then the study's arms
+    return sorted(runs.values(), key=lambda r: (order.get(r["arm"], len(order)), r["arm"], r["seed"])), schedules[0]
 
 
 # ---------------------------------------------------------------------------------------------- numbers
@@ -215,7 +218,8 @@ def plot_curves(runs: list[dict[str, Any]], key: str, ylabel: str, out: Path,
     for ax in axes[0]:
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, ncol=2)
     fig.savefig(out, dpi=110)
     plt.close(fig)
 

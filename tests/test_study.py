@@ -41,6 +41,7 @@ def test_every_arm_resolves_to_its_options_and_every_set_names_known_arms(capsys
     from mhar_lit.cli import build_cli
 
     assert set(study.ARMS) == set(ARM_OPTIONS)
+    assert {p.stem for p in study.ARMS_DIR.glob("*.yaml")} <= set(study.ARMS)  # no arm file left unused
     for arm, (heads, logit_scale, lr_scale, precision) in ARM_OPTIONS.items():
         with pytest.raises(SystemExit):
             build_cli(["--config", str(study.TINY_BASE), "--config", str(REPO / study.ARMS[arm]), "--print_config"],
@@ -104,7 +105,7 @@ def test_tiny_set_in_two_budgeted_pieces_equals_one_piece_and_exports(tmp_path):
     heads = runs["H8-heads-s1"]
     assert [s for s, _ in heads["val"]] == [4, 8] and len(heads["mlflow_runs"]) == 2
     assert {r["study_arm"] for r in heads["mlflow_runs"]} == {"H8-heads"}
-    assert [s for s, _ in heads["metrics"]["entropy"]] == [2, 4, 6, 8]
+    assert [s for s, _ in heads["metrics"]["entropy"]] == [1, 2, 4, 6, 8]  # the monitor also logs at piece 1's stop
     assert 0 < heads["metrics"]["entropy"][-1][1] < 1 and runs["baseline-s1"]["metrics"]["entropy"] == []
     assert heads["metrics"]["lr_sum"][-1][0] == 8 and heads["log_tail"]
     summary = json.loads((tmp_path / "outA" / f"summary-{label}.json").read_text())
