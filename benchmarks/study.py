@@ -75,13 +75,16 @@ WHEEL_INSTALL = ("python3 -m pip install -q --no-index --no-deps --no-compile --
 
 # ---------------------------------------------------------------------------------------------- corpus
 def corpus_roots() -> list[Path]:
-    """The offline text of this machine: the stdlib, every site-packages folder, /usr/include."""
+    """The offline text of this machine: the stdlib first and /usr/include (so that the size cap never drops
+    them), then every site-packages folder in sorted order."""
     import site
     import sysconfig
 
-    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
-    roots |= set(site.getsitepackages()) | {site.getusersitepackages(), "/usr/include"}
-    return sorted(Path(r).resolve() for r in roots if Path(r).is_dir())
+    first = [Path(sysconfig.get_paths()["stdlib"]).resolve(), Path("/usr/include").resolve()]
+    rest = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    rest |= set(site.getsitepackages()) | {site.getusersitepackages()}
+    roots = first + sorted({Path(r).resolve() for r in rest} - set(first))
+    return [r for r in roots if r.is_dir()]
 
 
 def _corpus_files(roots: list[Path]):
