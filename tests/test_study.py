@@ -46,7 +46,9 @@ def test_every_arm_resolves_to_its_options_and_every_set_names_known_arms(capsys
         with pytest.raises(SystemExit):
             build_cli(["--config", str(study.TINY_BASE), "--config", str(REPO / study.ARMS[arm]), "--print_config"],
                       run=False)
-        config = yaml.safe_load(capsys.readouterr().out)
+        captured = capsys.readouterr()
+        config = yaml.safe_load(captured.out)
+        assert isinstance(config, dict), f"{arm} does not parse: {captured.err.strip()[-400:]}"
         residual = config["model"]["residual"]
         init = residual.get("init_args") or {}
         assert residual["class_path"].endswith("StandardResidual" if heads is None else "FullAttnRes"), arm
