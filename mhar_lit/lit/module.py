@@ -67,10 +67,13 @@ class LanguageModel(L.LightningModule):
         warmup_steps, decay_steps, min_lr_ratio: schedule; decay_steps 0 or None means trainer.max_steps.
         grad_clip: global-norm clipping (0 disables); the pre-clip norm is logged as train/grad_norm.
         z_loss: weight of mean(logsumexp(logits)^2) (0 disables).
+        fused_loss: compute the LM head and the loss chunk by chunk with liger-kernel's cross-entropy kernel,
+            never holding the fp32 logits of the whole batch (mhar_lit.kernels.linear_cross_entropy; needs the
+            `fused` extra). Same loss and gradients as the plain path within rounding; captured and eager alike.
         activation_checkpointing: recompute sublayers in backward. compile: torch.compile the decoder.
         cuda_graph: capture the training forward and backward as CUDA graphs at the first batch (removes the
             per-kernel host cost that makes the paper's microbatches host-bound; needs CUDA, precision
-            "bf16-true" or "32-true", one device; see mhar_lit.lit.cuda_graph). None (the default): capture
+            "bf16-true", "bf16-mixed" or "32-true", one device; see mhar_lit.lit.cuda_graph). None (the default): capture
             wherever that holds, else train eagerly; the path taken and why is logged once at the first batch.
             True: capture or refuse the run; False: eager.
         tail_k: number of last validations averaged into val/tail_mean (the paper's metric uses 11).
@@ -95,6 +98,7 @@ class LanguageModel(L.LightningModule):
         min_lr_ratio: float = 0.1,
         grad_clip: float = 1.0,
         z_loss: float = 0.0,
+        fused_loss: bool = False,
         activation_checkpointing: bool = False,
         compile: bool = False,
         cuda_graph: Optional[bool] = None,
@@ -134,10 +138,7 @@ class LanguageModel(L.LightningModule):
 
     def _loss(self, batch: Tensor) -> tuple[Tensor, Tensor, int]:
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = self(inputs).float()
-        flat = logits.flatten(0, 1)
-        ce = F.cross_entropy(flat, targets.flatten())
-        z = torch.logsumexp(flat, dim=-1).pow(2).mean() if self.hparams.z_loss else flat.new_zeros(())
+        ce, z = next_token_loss(self.model, inputs, targets, self.hparams.z_loss, self.hparams.get("fused_loss", False))
         return ce, z, targets.numel()
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
@@ -319,6 +320,9 @@ class LanguageModel(L.LightningModule):
         tag_run(self.trainer, self.model.residual, self.hparams.size, os.environ.get("PL_GLOBAL_SEED"))
 
     def setup(self, stage: str) -> None:
+        if self.hparams.get("fused_loss") and "FSDP" in type(self.trainer.strategy).__name__:
+            raise UserError("model.fused_loss reads lm_head.weight outside the LM head's forward, which FSDP does not "
+                             "gather there: use one device or DDP, or fused_loss: false")
         data = getattr(self.trainer, "datamodule", None)
         vocab = getattr(data, "vocab_size", None)
         if vocab is not None and vocab > self.config.vocab_size:
@@ -326,6 +330,24 @@ class LanguageModel(L.LightningModule):
                 f"the tokenizer has {vocab} ids but the model's vocab_size is {self.config.vocab_size}; "
                 f"set model.model_overrides.vocab_size >= {vocab}"
             )
+
+
+def next_token_loss(model: DecoderLM, inputs: Tensor, targets: Tensor, z_loss: float,
+                    fused: bool) -> tuple[Tensor, Tensor]:
+    """(cross-entropy, mean logsumexp^2) of the model's next-token predictions; z is 0 when z_loss is 0.
+
+    Plain: the logits cast to fp32, then F.cross_entropy. Fused (model.fused_loss): the decoder returns its final
+    hidden states and mhar_lit.kernels.linear_cross_entropy does the LM head product chunk by chunk; its ce
+    carries the gradient of ce + z_loss * z and its z none, so `ce + z_loss * z` trains the same either way."""
+    if fused:
+        from mhar_lit.kernels.linear_cross_entropy import fused_linear_cross_entropy
+
+        hidden = model(inputs, hidden_only=True)
+        return fused_linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, targets.flatten(), z_loss)
+    flat = model(inputs).float().flatten(0, 1)
+    ce = F.cross_entropy(flat, targets.flatten())
+    z = torch.logsumexp(flat, dim=-1).pow(2).mean() if z_loss else flat.new_zeros(())
+    return ce, z
 
 
 def _with_init_defaults(config: dict[str, Any], cls: type) -> dict[str, Any]:
