@@ -8,6 +8,8 @@ so values agree to a few fp32 ulps of the largest term: rtol 1e-5, atol 1e-6 (ob
 both paths round the logits gradient to bf16 before the products (2^-8 relative), the plain path rounds dW once
 and the fused one per chunk: atol 2e-2 of the largest gradient entry."""
 
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -17,7 +19,6 @@ from mhar_lit.kernels.linear_cross_entropy import fused_linear_cross_entropy
 from mhar_lit.lit import cuda_graph
 from mhar_lit.lit.module import LanguageModel
 from mhar_lit.residual import FullAttnRes
-
 
 
 def plain_loss(hidden, weight, targets, z_weight):
@@ -177,3 +178,26 @@ def test_captured_fused_step_equals_the_eager_fused_step_under_accumulation(monk
     assert captured._graphed_loss.decision is True and captured._graphed_loss.graphed is not None
     for (name, p), (_, q) in zip(captured.named_parameters(), eager.named_parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_cli_fit_with_fused_loss_and_bf16_mixed(tmp_path, monkeypatch):
+    """The two options as a user sets them in a config: a real fit (eager on the CPU) trains, validates through the
+    fused loss, and keeps fp32 parameters."""
+    from mhar_lit.cli import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(["--config", str(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"),
+                     "--model.size", "tiny", "--model.fused_loss", "true", "--model.z_loss", "1e-4",
+                     "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "2",
+                     "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false",
+                     "--data.max_corpus_bytes", "60000", "--data.seq_len", "32", "--data.batch_size", "2",
+                     "--data.val_batch_size", "2", "--data.val_fraction", "0.3",
+                     "--data.cache_dir", str(tmp_path / "cache"),
+                     "--routing_monitor.every_n_steps", "100"], run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    metrics = dict(cli.trainer.callback_metrics)
+    metrics.update(cli.trainer.validate(cli.model, cli.datamodule)[0])
+    assert cli.model.hparams.fused_loss and cli.trainer.precision == "bf16-mixed"
+    assert all(torch.isfinite(torch.as_tensor(metrics[k])) and metrics[k] > 0
+               for k in ("train/loss", "train/z_loss", "val/loss"))
+    assert {p.dtype for p in cli.model.parameters()} == {torch.float32}

@@ -10,14 +10,16 @@ Capture is the default wherever it is valid (`cuda_graph: null`): the first trai
 path taken (captured, or eager and why) is logged once, as a log line and as the MLflow tag `train_path`.
 `cuda_graph: true` makes an invalid capture an error; `cuda_graph: false` trains eagerly.
 What capture needs, checked at the first training batch:
-CUDA; no autocast other than bf16 (precision "bf16-true", "bf16-mixed" or "32-true"); no activation checkpointing (torch.compile is refused by the constructor already); one process (DDP/FSDP
-with graphs are not tested here); no routing-weight recording inside the training forward (monitors run
-their own eager pass).
+CUDA; no autocast other than bf16 (precision "bf16-true", "bf16-mixed" or "32-true"); no activation
+checkpointing (torch.compile is refused by the constructor already); one process (DDP/FSDP with graphs are not
+tested here); no routing-weight recording inside the training forward (monitors run their own eager pass).
+
 Mixed precision ("bf16-mixed": fp32 parameters, gradients and AdamW state, bf16 matmuls under autocast) is
-captured with autocast's weight cache off: a cached bf16 copy of a weight would be made once at capture and
-replayed stale, so make_graphed_callables refuses the cache. Capture runs under an autocast of the trainer's
-dtype with cache_enabled=False, and the graphs recast every weight at each replay, as eager autocast without a
-cache does (the cache only saves recasting a weight used twice in one forward: same values).
+captured with autocast's weight cache off: a bf16 copy of a weight cached before or during capture would be
+read by every replay, never recast from the updated weight, so make_graphed_callables refuses the cache.
+Capture runs under an autocast of the trainer's dtype with cache_enabled=False, and the graphs recast every
+weight at each replay, as eager autocast does (its cache only saves recasting a weight used twice in one
+forward: same values).
 
 A batch of another shape than the first (a last partial batch) runs eagerly on the same parameters, with
 a warning the first time: same function, just not replayed.

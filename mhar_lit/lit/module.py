@@ -73,8 +73,8 @@ class LanguageModel(L.LightningModule):
         activation_checkpointing: recompute sublayers in backward. compile: torch.compile the decoder.
         cuda_graph: capture the training forward and backward as CUDA graphs at the first batch (removes the
             per-kernel host cost that makes the paper's microbatches host-bound; needs CUDA, precision
-            "bf16-true", "bf16-mixed" or "32-true", one device; see mhar_lit.lit.cuda_graph). None (the default): capture
-            wherever that holds, else train eagerly; the path taken and why is logged once at the first batch.
+            "bf16-true", "bf16-mixed" or "32-true", one device; see mhar_lit.lit.cuda_graph). None (the default):
+            capture wherever that holds, else train eagerly; the path taken and why is logged once at the first batch.
             True: capture or refuse the run; False: eager.
         tail_k: number of last validations averaged into val/tail_mean (the paper's metric uses 11).
         init_from: a directory written by `python -m mhar_lit convert` or a .safetensors file to start from.
