@@ -201,3 +201,28 @@ def test_cli_fit_with_fused_loss_and_bf16_mixed(tmp_path, monkeypatch):
     assert all(torch.isfinite(torch.as_tensor(metrics[k])) and metrics[k] > 0
                for k in ("train/loss", "train/z_loss", "val/loss"))
     assert {p.dtype for p in cli.model.parameters()} == {torch.float32}
+
+
+def _load_benchmark(name):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_benchmarks_run_their_cpu_checks(tmp_path):
+    """benchmarks/fused_loss_check.py and peer_step.py's fused variant, at the tiny shape on the CPU: the plumbing
+    the GPU runs use, with the fused loss within bf16 rounding of the plain one and the same first step loss."""
+    report = _load_benchmark("fused_loss_check").main(["--device", "cpu", "--sizes", "tiny", "--iters", "1",
+                                                       "--out", str(tmp_path / "check.json")])
+    assert set(report["results"]) == {"tiny bf16-true", "tiny bf16-mixed"} and not report["skipped"]
+    for row in report["results"].values():
+        assert max(row["fused_vs_plain"].values()) < 2e-2 and row["fused_ms"] > 0 and row["plain_ms"] > 0
+    peer = _load_benchmark("peer_step").main(["--device", "cpu", "--sizes", "tiny", "--variants", "ours", "ours_fused",
+                                              "--dtype", "fp32", "--rounds", "1", "--steps", "1", "--warmup", "1",
+                                              "--out", str(tmp_path / "peer.json")])
+    variants = peer["sizes"][0]["variants"]
+    assert variants["ours_fused"]["first_loss"] == pytest.approx(variants["ours"]["first_loss"], rel=1e-5)
