@@ -174,7 +174,7 @@ def build_litgpt(cfg: ModelConfig, compiled: bool) -> tuple[torch.nn.Module, Cal
 
 def pair_loss(model: torch.nn.Module, fused: bool) -> Callable:
     """LanguageModel's training loss of (inputs, targets) without z-loss (next_token_loss), plain or fused."""
-    from mhar_lit.lit.module import next_token_loss
+    from mhar_lit.lit.loss import next_token_loss
 
     return lambda inputs, targets: next_token_loss(model, inputs, targets, 0.0, fused)[0]
 

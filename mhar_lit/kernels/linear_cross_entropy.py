@@ -44,9 +44,12 @@ def _liger_kernel():
 
 
 def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b with acc in fp32 and a, b possibly bf16. CUDA: one GEMM that accumulates into acc in fp32;
-    elsewhere (no addmm with out_dtype) a product in the operands' dtype added in fp32."""
-    if acc.device.type == "cuda" and a.dtype != acc.dtype:
+    """acc += a @ b with acc in fp32 and a, b possibly bf16, without a V x D temporary where torch allows: fp32
+    operands accumulate in place; bf16 ones on CUDA in one GEMM with an fp32 output (addmm's out_dtype, CUDA
+    only); elsewhere their product is rounded to bf16, then added in fp32."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.device.type == "cuda":
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         acc += (a @ b).to(acc.dtype)

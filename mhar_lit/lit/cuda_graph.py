@@ -40,6 +40,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from mhar_lit.lit.loss import next_token_loss
+
 
 class _LossModule(nn.Module):
     """Decoder + cross-entropy (+ z-loss) as one module of (inputs, targets), the unit that is captured: the
@@ -50,8 +52,6 @@ class _LossModule(nn.Module):
         self.model, self.z_loss, self.fused = model, z_loss, fused
 
     def forward(self, inputs: Tensor, targets: Tensor):
-        from mhar_lit.lit.module import next_token_loss
-
         ce, z = next_token_loss(self.model, inputs, targets, self.z_loss, self.fused)
         return (ce, z) if self.z_loss else ce
 
