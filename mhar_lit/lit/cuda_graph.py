@@ -34,6 +34,7 @@ captured step is the same function as an eager one for any accumulation.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Callable, Optional
 
@@ -66,8 +67,6 @@ def _autocast_dtype() -> Optional[torch.dtype]:
 
 def _capture_autocast(module):
     """The trainer's autocast with its weight cache off, for capture (see the module docstring); no-op without."""
-    import contextlib
-
     dtype = _autocast_dtype()
     if dtype is None:
         return contextlib.nullcontext()
