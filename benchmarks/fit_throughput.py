@@ -34,9 +34,10 @@ Writes a JSON (after every fit, so an interrupted run keeps what finished) with 
 was clean (a dirty tree is refused unless --allow-dirty), device, versions, date and the exact command; prints a
 table last. Its `summary[size][method]` holds the medians `tokens_per_s`, `mfu`, `ratio_vs_baseline` (against
 the baseline of the same variant) and `peak_mem_ratio`; a variant's method is named `method+variant` and also
-gets `ratio_vs_<first variant>`. `labels` holds every label's spread and paired ratios. --merge joins the reports
-of one device (one size per device call) into one; --peer adds litgpt's step from benchmarks/peer_step.py as
-summary[size]["litgpt"] (its compiled variant where timed: a step outside `fit`, no peak memory).
+gets `ratio_vs_<first variant>` and `peak_mem_ratio_vs_<first variant>`. `labels` holds every label's spread
+and paired ratios. --merge joins the reports of one device (one size per device call) into one; --peer adds
+litgpt's step from benchmarks/peer_step.py as summary[size]["litgpt"] (its compiled variant where timed: a step
+outside `fit`, no peak memory).
 """
 
 from __future__ import annotations
@@ -347,10 +348,11 @@ def aggregate(labels: list[dict], fits: list[dict]) -> dict[str, dict]:
                 paired = paired_ratios(fits, label["name"], base["name"], key)
                 row[f"{key}_vs_baseline_paired"] = spread(paired)
         reference = reference_of(label, labels)
-        if reference is not None and row["tokens_per_s"] and table[reference["name"]]["tokens_per_s"]:
+        if reference is not None:
             row["reference_variant"] = reference["name"]
-            row["tokens_per_s_vs_reference_variant"] = (row["tokens_per_s"]["median"]
-                                                        / table[reference["name"]]["tokens_per_s"]["median"])
+            for key in ("tokens_per_s", "peak_mem_gib"):
+                if row[key] and table[reference["name"]][key]:
+                    row[f"{key}_vs_reference_variant"] = row[key]["median"] / table[reference["name"]][key]["median"]
     return table
 
 
@@ -385,7 +387,8 @@ def issue_summary(labels: list[dict], table: dict[str, dict]) -> dict[str, dict]
                  "ratio_vs_baseline": row.get("tokens_per_s_vs_baseline"),
                  "peak_mem_ratio": row.get("peak_mem_gib_vs_baseline"), "fits_ok": row["fits_ok"]}
         if label.get("variant", "") != first:
-            entry[f"ratio_vs_{first or 'default'}"] = row.get("tokens_per_s_vs_reference_variant")
+            entry[f"ratio_vs_{first}"] = row.get("tokens_per_s_vs_reference_variant")
+            entry[f"peak_mem_ratio_vs_{first}"] = row.get("peak_mem_gib_vs_reference_variant")
         summary.setdefault(label["size"], {})[method_key(label)] = entry
     return summary
 
