@@ -226,3 +226,19 @@ def test_the_gpu_benchmarks_run_their_cpu_checks(tmp_path):
                                               "--out", str(tmp_path / "peer.json")])
     variants = peer["sizes"][0]["variants"]
     assert variants["ours_fused"]["first_loss"] == pytest.approx(variants["ours"]["first_loss"], rel=1e-5)
+
+
+def test_fused_loss_with_fsdp_is_refused():
+    """FSDP gathers the LM head's weight for its forward only; the fused loss reads it outside, so it is refused."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from mhar_lit.errors import UserError
+
+    module = LanguageModel(size="tiny", fused_loss=True)
+    module._trainer = SimpleNamespace(strategy=FSDPStrategy(), datamodule=None)
+    with pytest.raises(UserError, match="model.fused_loss reads lm_head.weight outside"):
+        module.setup("fit")
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(), datamodule=None)
+    module.setup("fit")  # one device: accepted
