@@ -1,8 +1,16 @@
 """End-to-end training throughput of the shipped recipes, through the command line the user runs.
 
     python benchmarks/fit_throughput.py [--sizes 100M 350M 1B] [--methods baseline mhar block] [--repeats 3]
-        [--max-steps N] [--warmup 3] [--extra "--model.cuda_graph true"] [--out fit_throughput.json] [--dry-run]
+        [--variants NAME=OVERRIDES ...] [--max-steps N] [--warmup 3] [--extra "--model.cuda_graph true"]
+        [--time-budget S] [--out benchmarks/results/fit_throughput.json] [--dry-run]
     python benchmarks/fit_throughput.py --configs demo=configs/demo.yaml --max-steps 6 --repeats 1 --warmup 2
+    python benchmarks/fit_throughput.py --merge fit_100M.json fit_350M.json fit_1B.json [--peer peer.json]
+        --out benchmarks/results/fit_throughput.json
+
+Variants time the same configs under other overrides, interleaved with the others: e.g. the fused loss and the
+two bf16 precisions (the first variant is the reference of the others)
+    --variants bf16-true= fused=--model.fused_loss=true mixed=--trainer.precision=bf16-mixed \
+               fused+mixed="--model.fused_loss=true --trainer.precision=bf16-mixed"
 
 Each fit is `python -m mhar_lit fit --config configs/paper/SIZE/METHOD.yaml` (a subprocess, as the user starts
 it) with a short `trainer.max_steps`, validation and checkpoints off, a throwaway MLflow store and root folder.
@@ -24,7 +32,12 @@ speed.peak_tflops) is recorded too.
 
 Writes a JSON (after every fit, so an interrupted run keeps what finished) with the commit, whether the tree
 was clean (a dirty tree is refused unless --allow-dirty), device, versions, date and the exact command; prints a
-table last.
+table last. Its `summary[size][method]` holds the medians `tokens_per_s`, `mfu`, `ratio_vs_baseline` (against
+the baseline of the same variant) and `peak_mem_ratio`; a variant's method is named `method+variant` and also
+gets `ratio_vs_<first variant>` and `peak_mem_ratio_vs_<first variant>`. `labels` holds every label's spread
+and paired ratios. --merge joins the reports of one device (one size per device call) into one; --peer adds
+litgpt's step from benchmarks/peer_step.py as summary[size]["litgpt"] (its compiled variant where timed: a step
+outside `fit`, no peak memory).
 """
 
 from __future__ import annotations
@@ -127,7 +140,8 @@ def run_fit(label: dict, repeat: int, args, work_root: Path, shape: dict) -> dic
     work = work_root / f"{label['name'].replace('/', '_')}_r{repeat}"
     work.mkdir(parents=True, exist_ok=True)
     max_steps = max_steps_for(label["size"], args.max_steps)
-    cmd = fit_command(label["config"], max_steps, work, work_root / "data_cache", args.keep_data, args.extra)
+    cmd = fit_command(label["config"], max_steps, work, work_root / "data_cache", args.keep_data,
+                      args.extra + label["overrides"])
     result = {"label": label["name"], "size": label["size"], "method": label["method"], "repeat": repeat,
               "max_steps": max_steps, "command": shlex.join(cmd)}
     env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_DISABLE_TELEMETRY="true")
@@ -170,13 +184,14 @@ def max_steps_for(size: str, override: Optional[int]) -> int:
 
 # ------------------------------------------------------------------ shapes, FLOPs and the environment
 
-def resolved_config(config: str, args) -> dict:
-    """The config the fit will run (the file plus this script's overrides and --extra), from LightningCLI's
-    own --print_config: tokens per step and the model's shape follow whatever --extra changes."""
+def resolved_config(label: dict, args) -> dict:
+    """The config the fit will run (the file plus this script's overrides, --extra and the variant's), from
+    LightningCLI's own --print_config: tokens per step and the model's shape follow whatever they change."""
     import yaml
 
+    config = label["config"]
     cmd = fit_command(config, max_steps_for("", args.max_steps), Path(tempfile.gettempdir()) / "fit_throughput_print",
-                      Path("data_cache"), args.keep_data, args.extra) + ["--print_config"]
+                      Path("data_cache"), args.keep_data, args.extra + label["overrides"]) + ["--print_config"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -225,7 +240,8 @@ def label_shape(config: dict, env: dict) -> dict[str, Any]:
     shape = {"micro_batch": data["batch_size"], "seq_len": data["seq_len"], "accumulate_grad_batches": accumulate,
              "world_size": world, "precision": trainer.get("precision"), "model_size": model["size"],
              "model_overrides": overrides, "residual": (model.get("residual") or {}).get("class_path"),
-             "cuda_graph": model.get("cuda_graph"), "compile": model.get("compile")}
+             "cuda_graph": model.get("cuda_graph"), "compile": model.get("compile"),
+             "fused_loss": model.get("fused_loss")}
     shape["tokens_per_step"] = data["batch_size"] * data["seq_len"] * accumulate * world if world else None
     shape["flops_per_token"], shape["flops_per_token_6n"] = flops_per_token(model["size"], overrides, data["seq_len"])
     lightning_peak = env.get("peak_flops_lightning", {}).get(_dtype_name(trainer.get("precision")))
@@ -317,7 +333,7 @@ def aggregate(labels: list[dict], fits: list[dict]) -> dict[str, dict]:
     for label in labels:
         mine = [f for f in fits if f["label"] == label["name"] and ok(f)]
         table[label["name"]] = {
-            "size": label["size"], "method": label["method"], "config": label["config"],
+            "size": label["size"], "method": label["method"], "variant": label.get("variant", ""), "config": label["config"],
             "fits_ok": len(mine), "fits_failed": sum(1 for f in fits if f["label"] == label["name"] and not ok(f)),
             **{key: spread([f.get(key) for f in mine])
                for key in ("tokens_per_s", "step_ms", "mfu", "run_logged_mfu", "peak_mem_gib")},
@@ -331,12 +347,94 @@ def aggregate(labels: list[dict], fits: list[dict]) -> dict[str, dict]:
                 row[f"{key}_vs_baseline"] = row[key]["median"] / base_row[key]["median"]
                 paired = paired_ratios(fits, label["name"], base["name"], key)
                 row[f"{key}_vs_baseline_paired"] = spread(paired)
+        reference = reference_of(label, labels)
+        if reference is not None:
+            row["reference_variant"] = reference["name"]
+            for key in ("tokens_per_s", "peak_mem_gib"):
+                if row[key] and table[reference["name"]][key]:
+                    row[f"{key}_vs_reference_variant"] = row[key]["median"] / table[reference["name"]][key]["median"]
     return table
 
 
 def baseline_of(label: dict, labels: list[dict]) -> dict:
-    group = [x for x in labels if x["group"] == label["group"]]
+    """The group's "baseline" method in the same variant, else the group's first label of that variant."""
+    group = [x for x in labels if x["group"] == label["group"] and x.get("variant") == label.get("variant")]
     return next((x for x in group if x["method"] == "baseline"), group[0])
+
+
+def reference_of(label: dict, labels: list[dict]) -> Optional[dict]:
+    """The same size and method in the first variant, for a label of another variant."""
+    first = labels[0].get("variant", "")
+    if label.get("variant", "") == first:
+        return None
+    return next((x for x in labels if x["group"] == label["group"] and x["method"] == label["method"]
+                 and x.get("variant", "") == first), None)
+
+
+def method_key(label: dict) -> str:
+    return label["method"] + (f"+{label['variant']}" if label.get("variant") else "")
+
+
+def issue_summary(labels: list[dict], table: dict[str, dict]) -> dict[str, dict]:
+    """summary[size][method] of the medians: tokens_per_s, mfu, ratio_vs_baseline, peak_mem_ratio (+ the ratio
+    against the first variant for the other variants)."""
+    median = lambda x: x["median"] if x else None  # noqa: E731
+    first = labels[0].get("variant", "") if labels else ""
+    summary: dict[str, dict] = {}
+    for label in labels:
+        row = table[label["name"]]
+        entry = {"tokens_per_s": median(row["tokens_per_s"]), "mfu": median(row["mfu"]),
+                 "ratio_vs_baseline": row.get("tokens_per_s_vs_baseline"),
+                 "peak_mem_ratio": row.get("peak_mem_gib_vs_baseline"), "fits_ok": row["fits_ok"]}
+        if label.get("variant", "") != first:
+            entry[f"ratio_vs_{first}"] = row.get("tokens_per_s_vs_reference_variant")
+            entry[f"peak_mem_ratio_vs_{first}"] = row.get("peak_mem_gib_vs_reference_variant")
+        summary.setdefault(label["size"], {})[method_key(label)] = entry
+    return summary
+
+
+PEER_VARIANTS = ("litgpt_compile", "litgpt")  # litgpt's pretrain compiles its model: that step first
+
+
+def add_peer(summary: dict[str, dict], peer: dict) -> None:
+    """summary[size]["litgpt"] from a benchmarks/peer_step.py report, against our baseline's fit at that size."""
+    for result in peer["sizes"]:
+        found = next((v for v in PEER_VARIANTS if v in result["variants"]), None)
+        if found is None or result["size"] not in summary:
+            continue
+        row = result["variants"][found]
+        ours = summary[result["size"]].get("baseline", {}).get("tokens_per_s")
+        summary[result["size"]]["litgpt"] = {
+            "tokens_per_s": row["tokens_per_s"], "mfu": row["mfu"],
+            "ratio_vs_baseline": row["tokens_per_s"] / ours if ours else None, "peak_mem_ratio": None,
+            "source": f"benchmarks/peer_step.py variant {found} ({peer.get('device')}, commit {peer.get('commit')})"}
+
+
+def merge_reports(paths: list[str], peer_path: Optional[str]) -> dict:
+    """One report from several of the same device and commit (one size each): labels, fits, shapes, summary."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    for key in ("device", "commit"):
+        values = {r.get(key) for r in reports}
+        if len(values) > 1:
+            raise SystemExit(f"--merge: the reports differ in {key}: {sorted(map(str, values))}")
+    merged = {k: v for k, v in reports[0].items() if k not in ("fits", "shapes", "labels", "summary", "stopped")}
+    merged.update(merged_from=paths, fits=[], shapes={}, labels={}, summary={},
+                  stopped=[r["stopped"] for r in reports if r.get("stopped")])
+    for report in reports:
+        twice = set(report["labels"]) & set(merged["labels"])
+        if twice:
+            raise SystemExit(f"--merge: labels {sorted(twice)} are in more than one report")
+        merged["fits"] += report["fits"]
+        merged["shapes"].update(report["shapes"])
+        merged["labels"].update(report["labels"])
+        for size, methods in report["summary"].items():
+            merged["summary"].setdefault(size, {}).update(methods)
+    if peer_path:
+        peer = json.loads(Path(peer_path).read_text())
+        if peer.get("device") != merged.get("device"):
+            raise SystemExit(f"--peer: {peer_path} ran on {peer.get('device')}, the fits on {merged.get('device')}")
+        add_peer(merged["summary"], peer)
+    return merged
 
 
 def paired_ratios(fits: list[dict], name: str, base: str, key: str) -> list[float]:
@@ -346,6 +444,7 @@ def paired_ratios(fits: list[dict], name: str, base: str, key: str) -> list[floa
 
 
 def table_text(summary: dict[str, dict]) -> str:
+    """The per-label table (report["labels"])."""
     def num(x, fmt):
         return format(x, fmt) if x is not None else "-"
 
@@ -365,21 +464,40 @@ def table_text(summary: dict[str, dict]) -> str:
 
 # ------------------------------------------------------------------ command line
 
+def parse_variants(items: Optional[list[str]]) -> list[tuple[str, str, list[str]]]:
+    """(name, label suffix, CLI overrides) of every --variants NAME=OVERRIDES; one unnamed variant without."""
+    if not items:
+        return [("", "", [])]
+    variants = []
+    for item in items:
+        name, sep, overrides = item.partition("=")
+        if not sep or not name or "/" in name:
+            raise SystemExit(f"--variants takes NAME=OVERRIDES (the overrides may be empty), got {item!r}")
+        variants.append((name, f"+{name}", shlex.split(overrides)))
+    if len({v[0] for v in variants}) < len(variants):
+        raise SystemExit(f"--variants: a name is given twice in {items}")
+    return variants
+
+
 def parse_labels(args) -> list[dict]:
-    """The (size, method) matrix of shipped configs, or the --configs LABEL=PATH list that replaces it."""
+    """The (size, variant, method) matrix of shipped configs, or the --configs LABEL=PATH list that replaces the
+    (size, method) part."""
+    variants = parse_variants(args.variants)
     if args.configs:
         labels = []
         for item in args.configs:
             name, sep, path = item.partition("=")
             if not sep or not name or not path:
                 raise SystemExit(f"--configs takes LABEL=PATH, got {item!r}")
-            labels.append({"name": name, "size": name, "method": name, "group": "configs", "config": path})
+            labels += [{"name": name + suffix, "size": name, "method": name, "group": "configs", "config": path,
+                        "variant": variant, "overrides": overrides} for variant, suffix, overrides in variants]
     else:
         unknown = sorted(set(args.methods) - set(METHOD_FILES))
         if unknown:
             raise SystemExit(f"unknown methods {unknown}; choose from {sorted(METHOD_FILES)}")
-        labels = [{"name": f"{size}/{method}", "size": size, "method": method, "group": size,
-                   "config": f"configs/paper/{size}/{METHOD_FILES[method]}"} for size in args.sizes for method in args.methods]
+        labels = [{"name": f"{size}/{method}{suffix}", "size": size, "method": method, "group": size,
+                   "config": f"configs/paper/{size}/{METHOD_FILES[method]}", "variant": variant, "overrides": overrides}
+                  for size in args.sizes for variant, suffix, overrides in variants for method in args.methods]
     for label in labels:
         if not (ROOT / label["config"]).is_file():
             raise SystemExit(f"{label['name']}: config {label['config']} not found (paths are relative to {ROOT})")
@@ -397,6 +515,8 @@ def parse_args(argv: Optional[list[str]] = None):
     p.add_argument("--sizes", nargs="+", default=list(SIZES))
     p.add_argument("--methods", nargs="+", default=list(METHOD_FILES))
     p.add_argument("--configs", nargs="+", metavar="LABEL=PATH", help="configs to time instead of the shipped matrix")
+    p.add_argument("--variants", nargs="+", metavar="NAME=OVERRIDES",
+                   help="time every config under each of these CLI overrides (see the module docstring)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-steps", type=int, help=f"trainer.max_steps of every fit (default per size: {DEFAULT_MAX_STEPS}, "
                                                  f"else {FALLBACK_MAX_STEPS})")
@@ -404,7 +524,9 @@ def parse_args(argv: Optional[list[str]] = None):
                                                           "(>= 1: an accumulating run's window at skip_steps is partial)")
     p.add_argument("--extra", default="", help='CLI overrides appended to every fit, e.g. "--model.cuda_graph true"')
     p.add_argument("--keep-data", action="store_true", help="read the configs' own corpus and tokenizer")
-    p.add_argument("--out", default="fit_throughput.json")
+    p.add_argument("--out", default="benchmarks/results/fit_throughput.json")
+    p.add_argument("--merge", nargs="+", metavar="REPORT", help="join these reports (one device) into --out and exit")
+    p.add_argument("--peer", help="a benchmarks/peer_step.py report: litgpt's step as summary[size]['litgpt']")
     p.add_argument("--workdir", help="where the fits' stores, logs and the shared data cache go (default: a temp dir)")
     p.add_argument("--fit-timeout", type=float, default=900.0, help="seconds before one fit is stopped")
     p.add_argument("--time-budget", type=float, help="seconds for this script: no fit is started that would likely end "
@@ -426,6 +548,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.digest:
         print(source_digest())
         return {}
+    if args.merge:
+        report = merge_reports(args.merge, args.peer)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"{len(args.merge)} reports -> {args.out}")
+        print(table_text(report["labels"]))
+        return report
     labels = parse_labels(args)
     if args.workdir:
         work_root = Path(args.workdir).resolve()
@@ -437,7 +566,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         for label, repeat in order:
             work = work_root / f"{label['name'].replace('/', '_')}_r{repeat}"
             cmd = fit_command(label["config"], max_steps_for(label["size"], args.max_steps), work,
-                              work_root / "data_cache", args.keep_data, args.extra)
+                              work_root / "data_cache", args.keep_data, args.extra + label["overrides"])
             print(shlex.join(cmd))
         return {}
     git = git_state(args.commit)
@@ -449,10 +578,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
               **git, "allow_dirty": args.allow_dirty, "source_digest": source_digest(), **env,
               "settings": {"repeats": args.repeats, "warmup": args.warmup, "skip_steps": SKIP_STEPS,
                            "max_steps": {lb["name"]: max_steps_for(lb["size"], args.max_steps) for lb in labels},
-                           "extra": args.extra, "keep_data": args.keep_data, "workdir": str(work_root)},
-              "shapes": {}, "fits": [], "summary": {}}
+                           "extra": args.extra, "keep_data": args.keep_data, "workdir": str(work_root),
+                           "variants": {v: o for v, _, o in parse_variants(args.variants)}},
+              "shapes": {}, "fits": [], "labels": {}, "summary": {}}
     with ThreadPoolExecutor(max_workers=4) as pool:  # one LightningCLI start each: run them side by side
-        configs = list(pool.map(lambda label: resolved_config(label["config"], args), labels))
+        configs = list(pool.map(lambda label: resolved_config(label, args), labels))
     for label, config in zip(labels, configs):
         report["shapes"][label["name"]] = label_shape(config, env)
     out = Path(args.out)
@@ -466,11 +596,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
         report["fits"].append(fit)
         state = f"{fit['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in fit else f"FAILED ({fit.get('rc')})"
         print(f"{label['name']} repeat {repeat}: {state}, {fit['wall_s']} s", flush=True)
-        report["summary"] = aggregate(labels, report["fits"])
+        report["labels"] = aggregate(labels, report["fits"])
+        report["summary"] = issue_summary(labels, report["labels"])
         out.write_text(json.dumps(report, indent=1))
+    if args.peer:
+        add_peer(report["summary"], json.loads(Path(args.peer).read_text()))
     out.write_text(json.dumps(report, indent=1))
     print(f"\n{env['device']}, torch {env['torch']}, commit {git['commit']} (clean: {git['clean']}); {out}")
-    print(table_text(report["summary"]))
+    print(table_text(report["labels"]))
     return report
 
 

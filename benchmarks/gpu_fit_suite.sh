@@ -5,17 +5,24 @@
 # each, interleaved). From the repository root, with .whl (../shared/tools/gpu-wheels.sh) and .whl_peer
 # (benchmarks/gpu_wheels_peer.sh) carried:
 #
-#   bash benchmarks/gpu_fit_suite.sh SIZE [COMMIT] [--no-peer] [-- FIT OVERRIDES...]
+#   bash benchmarks/gpu_fit_suite.sh SIZE [COMMIT] [--no-peer] [--fused-check] [--methods "M ..."] [--repeats N]
+#                                    [--variant NAME=OVERRIDES ...] [-- FIT OVERRIDES...]
 #     SIZE    100M, 350M or 1B
 #     COMMIT  the commit of the copied tree (the device's copy has no usable git history); recorded as stated
 #     --no-peer   skip peer_step.py: the fits get the whole call (350M and 1B need it: ~9 fits of 40-60 s)
+#     --fused-check  first benchmarks/fused_loss_check.py at SIZE (fused vs plain loss: numerics, capture, ms, GiB)
+#     --methods   of baseline mhar block (default all three); --repeats N (default 3)
+#     --variant NAME=OVERRIDES  repeatable: fit_throughput.py --variants, e.g. the fused loss and the precisions:
+#                 --variant bf16-true= --variant fused=--model.fused_loss=true --variant mixed=--trainer.precision=bf16-mixed
 #     FIT OVERRIDES  appended to every fit, e.g. -- --model.cuda_graph true
+#   With .whl_fused (benchmarks/gpu_wheels_fused.sh) carried, its wheels are installed too (needed by fused_loss).
 #
 #   bash benchmarks/gpu_fit_suite.sh --print-call SIZE [ARGS...]   (here, not on the device) checks the tree is
 #     committed and the wheel folders exist, and prints the `run` call with this checkout's commit.
 #
-# $OUT receives at most 7 files: env.txt, peer_step.json, peer_compile.json, peer_step.log, fit_SIZE.json,
-# fit_SIZE.log and fits.tgz (every fit's log and MLflow store).
+# $OUT receives at most 8 files: env.txt, peer_step.json, peer_compile.json, peer_step.log, fit_SIZE.json,
+# fit_SIZE.log, fits.tgz (every fit's log and MLflow store) and, with --fused-check, fused_loss_check.json.
+# Join the sizes' fit_SIZE.json (and a peer report) with fit_throughput.py --merge.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,21 +32,29 @@ if [[ "${1:-}" == "--print-call" ]]; then
   if [[ -n "$(git status --porcelain --untracked-files=no)" ]]; then
     echo "the tree has uncommitted changes: commit them first (the call measures the committed code)" >&2; exit 1
   fi
-  for d in .whl .whl_peer; do
-    ls "$d"/*.whl > /dev/null 2>&1 || { echo "$d/ has no wheels: run ../shared/tools/gpu-wheels.sh .whl and" \
-      "benchmarks/gpu_wheels_peer.sh .whl_peer here first" >&2; exit 1; }
+  folders=(.whl .whl_peer)
+  [[ "$*" == *fused* ]] && folders+=(.whl_fused)
+  for d in "${folders[@]}"; do
+    ls "$d"/*.whl > /dev/null 2>&1 || { echo "$d/ has no wheels: run ../shared/tools/gpu-wheels.sh .whl," \
+      "benchmarks/gpu_wheels_peer.sh .whl_peer and benchmarks/gpu_wheels_fused.sh .whl_fused here first" >&2; exit 1; }
   done
   size=$1; shift
-  echo "run(command=\"bash benchmarks/gpu_fit_suite.sh $size $(git rev-parse HEAD)${*:+ $*}\", carry=[\".whl\", \".whl_peer\"], timeout_s=600)"
-  echo "travels: $(du -sch .whl .whl_peer | tail -1 | cut -f1) of wheels plus the tree"
+  args=""; (( $# )) && args=$(printf ' %q' "$@")
+  carry=$(printf '"%s", ' "${folders[@]}")
+  echo "run(command='bash benchmarks/gpu_fit_suite.sh $size $(git rev-parse HEAD)$args', carry=[${carry%, }], timeout_s=600)"
+  echo "travels: $(du -sch "${folders[@]}" | tail -1 | cut -f1) of wheels plus the tree"
   exit 0
 fi
 
 SIZE=${1:?usage: bash benchmarks/gpu_fit_suite.sh SIZE [COMMIT] [--no-peer] [-- FIT OVERRIDES]}; shift
-COMMIT=""; PEER=1; EXTRA=()
+COMMIT=""; PEER=1; FUSED_CHECK=0; METHODS="baseline mhar block"; REPEATS=3; VARIANTS=(); EXTRA=()
 while (( $# )); do
   case "$1" in
     --no-peer) PEER=0 ;;
+    --fused-check) FUSED_CHECK=1 ;;
+    --methods) METHODS=${2:?--methods needs a value}; shift ;;
+    --repeats) REPEATS=${2:?--repeats needs a value}; shift ;;
+    --variant) VARIANTS+=("${2:?--variant needs NAME=OVERRIDES}"); shift ;;
     --) shift; EXTRA=("$@"); break ;;
     *) [[ "$1" =~ ^[0-9a-f]{7,40}$ ]] || { echo "unknown argument $1" >&2; exit 2; }; COMMIT=$1 ;;
   esac
@@ -50,8 +65,10 @@ OUT=${OUT:?OUT must name the folder for the results}
 WORK=/tmp/fit_suite
 mkdir -p "$WORK" "$OUT"
 
+WHEELS=(.whl/*.whl .whl_peer/*.whl)
+ls .whl_fused/*.whl > /dev/null 2>&1 && WHEELS+=(.whl_fused/*.whl)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl .whl_peer/*.whl && export PYTHONPATH=/tmp/site || exit 1
+  "${WHEELS[@]}" && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true
 T0=$(date +%s)
 BUDGET=560  # seconds from here; install and the tar at the end take the rest of the 600
@@ -59,7 +76,14 @@ left() { echo $(( T0 + $1 - $(date +%s) )); }  # seconds until second $1 of the 
 
 (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
  python3 -c "import sys, torch, triton, lightning; print(sys.version.split()[0], torch.__version__, triton.__version__, lightning.__version__)"
- echo "commit (stated): ${COMMIT:-none}"; echo "suite: $SIZE peer=$PEER extra=${EXTRA[*]:-}"; date -u) > "$OUT/env.txt" 2>&1
+ echo "commit (stated): ${COMMIT:-none}"; echo "suite: $SIZE peer=$PEER fused_check=$FUSED_CHECK methods=$METHODS" \
+   "repeats=$REPEATS variants=${VARIANTS[*]:-} extra=${EXTRA[*]:-}"; date -u) > "$OUT/env.txt" 2>&1
+
+if (( FUSED_CHECK )); then
+  timeout -k 5 "$(left 90)" python3 benchmarks/fused_loss_check.py --sizes "$SIZE" --time-budget 60 \
+    --out "$OUT/fused_loss_check.json" 2>&1 | tail -4
+  echo "fused_loss_check rc=${PIPESTATUS[0]} at $(( $(date +%s) - T0 )) s"
+fi
 
 if (( PEER )); then
   # the comparison first (eager litgpt, our eager and captured steps), then litgpt as its pretrain runs it (compiled)
@@ -74,9 +98,10 @@ fi
 GIT_ARGS=(--allow-dirty)  # without a stated commit the copy's git state is recorded as found
 [[ -n "$COMMIT" ]] && GIT_ARGS=(--commit "$COMMIT")
 FIT_LEFT=$(left "$BUDGET")
-timeout -k 5 "$FIT_LEFT" python3 benchmarks/fit_throughput.py --sizes "$SIZE" --repeats 3 "${GIT_ARGS[@]}" \
-  --time-budget "$(( FIT_LEFT - 10 ))" --workdir "$WORK/fits" --out "$OUT/fit_$SIZE.json" \
-  ${EXTRA[@]:+--extra "${EXTRA[*]}"} > "$OUT/fit_$SIZE.log" 2>&1
+# shellcheck disable=SC2086  # METHODS: a word list
+timeout -k 5 "$FIT_LEFT" python3 benchmarks/fit_throughput.py --sizes "$SIZE" --methods $METHODS --repeats "$REPEATS" \
+  "${GIT_ARGS[@]}" --time-budget "$(( FIT_LEFT - 10 ))" --workdir "$WORK/fits" --out "$OUT/fit_$SIZE.json" \
+  ${VARIANTS[@]:+--variants "${VARIANTS[@]}"} ${EXTRA[@]:+--extra "${EXTRA[*]}"} > "$OUT/fit_$SIZE.log" 2>&1
 echo "fit_throughput rc=$? at $(( $(date +%s) - T0 )) s"
 
 tar czf "$OUT/fits.tgz" -C "$WORK" --exclude data_cache --exclude runs fits 2>/dev/null

@@ -15,6 +15,8 @@ to bf16-mixed), the same fused AdamW (lr 5e-4, betas 0.9/0.95, weight decay 0.1)
 - ours: LanguageModel's loss (cross-entropy of the fp32-cast logits), backward, clip, step, zero_grad.
   ours_graph: forward and backward captured as CUDA graphs (torch.cuda.make_graphed_callables), the
   `model.cuda_graph: true` path; ours_compile: `model.compile()`, the `model.compile: true` path.
+  ours_fused / ours_graph_fused: ours / ours_graph with the `model.fused_loss: true` loss (the LM head and the
+  cross-entropy chunk by chunk, mhar_lit.kernels.linear_cross_entropy; needs liger-kernel).
 
 All variants of a size are resident at once and timed in interleaved rounds (each round: `steps` steps of every
 variant, CUDA events per step), after `warmup` steps each (compilation and capture happen there); medians per
@@ -47,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from mhar_lit import DecoderLM, ModelConfig  # noqa: E402
 from mhar_lit.residual import StandardResidual  # noqa: E402
 
-VARIANTS = ("litgpt", "litgpt_compile", "ours", "ours_compile", "ours_graph")
+VARIANTS = ("litgpt", "litgpt_compile", "ours", "ours_compile", "ours_graph", "ours_fused", "ours_graph_fused")
 TINY_SHAPE = {"micro_batch": 2, "seq_len": 64, "model_overrides": {}}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -170,19 +172,27 @@ def build_litgpt(cfg: ModelConfig, compiled: bool) -> tuple[torch.nn.Module, Cal
     return model, lambda batch: chunked_cross_entropy(forward(batch[:, :-1]), batch[:, 1:])
 
 
-def ours_loss(model: torch.nn.Module) -> Callable:
-    return lambda batch: F.cross_entropy(model(batch[:, :-1]).float().flatten(0, 1), batch[:, 1:].flatten())
+def pair_loss(model: torch.nn.Module, fused: bool) -> Callable:
+    """LanguageModel's training loss of (inputs, targets) without z-loss (next_token_loss), plain or fused."""
+    from mhar_lit.lit.loss import next_token_loss
+
+    return lambda inputs, targets: next_token_loss(model, inputs, targets, 0.0, fused)[0]
+
+
+def ours_loss(model: torch.nn.Module, fused: bool = False) -> Callable:
+    loss = pair_loss(model, fused)
+    return lambda batch: loss(batch[:, :-1], batch[:, 1:])
 
 
 class _LossModule(torch.nn.Module):
     """Model + loss of (inputs, targets), the unit torch.cuda.make_graphed_callables captures."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, fused: bool) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.loss = model, pair_loss(model, fused)
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.model(inputs).float().flatten(0, 1), targets.flatten())
+        return self.loss(inputs, targets)
 
 
 def build(variant: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, sample: torch.Tensor) -> Trainer:
@@ -198,14 +208,15 @@ def build(variant: str, cfg: ModelConfig, device: torch.device, dtype: torch.dty
 
 
 def wrap_ours(model: DecoderLM, variant: str, sample: torch.Tensor) -> tuple[torch.nn.Module, Callable]:
+    fused = variant.endswith("_fused")
     if variant == "ours_compile":
         model.compile()
-    if variant != "ours_graph":
-        return model, ours_loss(model)
+    if not variant.startswith("ours_graph"):
+        return model, ours_loss(model, fused)
     if sample.device.type != "cuda":
-        raise SystemExit("ours_graph captures CUDA graphs: it needs --device cuda")
+        raise SystemExit(f"{variant} captures CUDA graphs: it needs --device cuda")
     inputs, targets = sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
-    graphed = torch.cuda.make_graphed_callables(_LossModule(model), (inputs, targets))
+    graphed = torch.cuda.make_graphed_callables(_LossModule(model, fused), (inputs, targets))
     return model, lambda batch: graphed(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
 
 

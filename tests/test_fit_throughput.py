@@ -76,8 +76,81 @@ def test_demo_fit_end_to_end(tmp_path):
     assert fit["timed_steps"] == 2 and fit["tokens_per_s"] > 0
     shape = report["shapes"]["demo"]
     assert shape["tokens_per_step"] == 2 * 32 * 2 and shape["flops_per_token"] == pytest.approx(shape["flops_per_token_6n"], rel=2e-3)
-    summary = report["summary"]["demo"]
-    assert summary["tokens_per_s"]["median"] > 0 and summary["fits_ok"] == 1
+    labels = report["labels"]["demo"]
+    assert labels["tokens_per_s"]["median"] > 0 and labels["fits_ok"] == 1
+    assert report["summary"]["demo"]["demo"]["tokens_per_s"] == labels["tokens_per_s"]["median"]
     assert "fit_throughput.py" in report["command"] and "--configs" in report["command"]
     assert report["allow_dirty"] is True and report["commit"] and report["torch"] and report["device"]
     assert "tokens/s median" in done.stdout.splitlines()[-2]
+
+
+def test_variants_multiply_the_matrix_and_are_interleaved(capsys):
+    """--variants: every (size, method) under each variant's overrides, the variants alternating within a repeat;
+    a variant without overrides is the unchanged command."""
+    ft = load_script()
+    args = ft.parse_args(["--sizes", "100M", "--methods", "baseline", "mhar", "--repeats", "2", "--variants", "plain=",
+                          "fused+mixed=--model.fused_loss=true --trainer.precision=bf16-mixed"])
+    labels = ft.parse_labels(args)
+    assert [lb["name"] for lb in labels] == ["100M/baseline+plain", "100M/mhar+plain", "100M/baseline+fused+mixed",
+                                             "100M/mhar+fused+mixed"]
+    assert labels[2]["overrides"] == ["--model.fused_loss=true", "--trainer.precision=bf16-mixed"]
+    assert [lb["name"] for lb, _ in ft.fit_order(labels, 2)] == [lb["name"] for lb in labels] * 2
+    ft.main(["--sizes", "100M", "--methods", "baseline", "--repeats", "1", "--dry-run", "--variants", "plain=",
+             "fused=--model.fused_loss=true"])
+    commands = capsys.readouterr().out.strip().splitlines()
+    assert len(commands) == 2 and commands[1] == commands[0].replace("baseline+plain_r0", "baseline+fused_r0") + \
+        " --model.fused_loss=true"
+    for bad in (["x"], ["a/b=--x"], ["a=", "a=--x"]):
+        with pytest.raises(SystemExit, match="--variants"):
+            ft.parse_labels(ft.parse_args(["--variants", *bad]))
+
+
+def _variant_fits(ft):
+    labels = [{"name": f"S/{m}+{v}", "size": "S", "method": m, "group": "S", "config": "c", "variant": v,
+               "overrides": []} for v in ("a", "b") for m in ("baseline", "mhar")]
+    speed = {("baseline", "a"): 100.0, ("mhar", "a"): 90.0, ("baseline", "b"): 120.0, ("mhar", "b"): 114.0}
+    fits = [{"label": f"S/{m}+{v}", "repeat": 0, "tokens_per_s": t, "mfu": t / 1000,
+             "peak_mem_gib": 2.0 if m == "baseline" else 2.2} for (m, v), t in speed.items()]
+    return labels, fits
+
+
+def test_summary_has_the_issue_format_with_ratios_per_variant():
+    """summary[size][method]: medians, ratio against the baseline of the same variant, peak memory ratio, and the
+    ratio against the first variant."""
+    ft = load_script()
+    labels, fits = _variant_fits(ft)
+    summary = ft.issue_summary(labels, ft.aggregate(labels, fits))["S"]
+    assert summary["mhar+a"] == {"tokens_per_s": 90.0, "mfu": 0.09, "ratio_vs_baseline": pytest.approx(0.9),
+                                 "peak_mem_ratio": pytest.approx(1.1), "fits_ok": 1}
+    assert summary["mhar+b"]["ratio_vs_baseline"] == pytest.approx(0.95)
+    assert summary["mhar+b"]["ratio_vs_a"] == pytest.approx(114.0 / 90.0)
+    assert summary["baseline+b"]["ratio_vs_a"] == pytest.approx(1.2)
+
+
+def test_merge_joins_sizes_and_adds_the_peer(tmp_path):
+    """--merge: reports of one device become one (summary per size), --peer adds litgpt's compiled step against
+    our baseline; reports of different devices are refused."""
+    ft = load_script()
+    paths = []
+    for size, speed in (("100M", 100.0), ("1B", 20.0)):
+        labels = [{"name": f"{size}/baseline", "size": size, "method": "baseline", "group": size, "config": "c"}]
+        fits = [{"label": f"{size}/baseline", "repeat": 0, "tokens_per_s": speed, "mfu": 0.4, "peak_mem_gib": 1.0}]
+        table = ft.aggregate(labels, fits)
+        report = {"device": "GPU X", "commit": "abc", "fits": fits, "shapes": {}, "labels": table,
+                  "summary": ft.issue_summary(labels, table)}
+        paths.append(tmp_path / f"{size}.json")
+        paths[-1].write_text(json.dumps(report))
+    peer = {"device": "GPU X", "commit": "abc", "sizes": [
+        {"size": "100M", "variants": {"litgpt": {"tokens_per_s": 50.0, "mfu": 0.2},
+                                      "litgpt_compile": {"tokens_per_s": 80.0, "mfu": 0.32}}}]}
+    (tmp_path / "peer.json").write_text(json.dumps(peer))
+    out = tmp_path / "merged.json"
+    merged = ft.main(["--merge", *map(str, paths), "--peer", str(tmp_path / "peer.json"), "--out", str(out)])
+    assert json.loads(out.read_text()) == merged and merged["device"] == "GPU X" and len(merged["fits"]) == 2
+    assert set(merged["summary"]) == {"100M", "1B"} and merged["summary"]["1B"]["baseline"]["tokens_per_s"] == 20.0
+    litgpt = merged["summary"]["100M"]["litgpt"]
+    assert litgpt["tokens_per_s"] == 80.0 and litgpt["ratio_vs_baseline"] == pytest.approx(0.8)
+    other = json.loads(paths[1].read_text())
+    paths[1].write_text(json.dumps(dict(other, device="GPU Y")))
+    with pytest.raises(SystemExit, match="differ in device"):
+        ft.main(["--merge", *map(str, paths), "--out", str(out)])

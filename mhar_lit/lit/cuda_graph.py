@@ -10,10 +10,17 @@ Capture is the default wherever it is valid (`cuda_graph: null`): the first trai
 path taken (captured, or eager and why) is logged once, as a log line and as the MLflow tag `train_path`.
 `cuda_graph: true` makes an invalid capture an error; `cuda_graph: false` trains eagerly.
 What capture needs, checked at the first training batch:
-CUDA; no autocast (use precision "bf16-true" or "32-true": autocast's weight cache cannot be captured);
-no activation checkpointing (torch.compile is refused by the constructor already); one process (DDP/FSDP
-with graphs are not tested here); no routing-weight recording inside the training forward (monitors run
-their own eager pass).
+CUDA; no autocast other than bf16 (precision "bf16-true", "bf16-mixed" or "32-true"); no activation
+checkpointing (torch.compile is refused by the constructor already); one process (DDP/FSDP with graphs are not
+tested here); no routing-weight recording inside the training forward (monitors run their own eager pass).
+
+Mixed precision ("bf16-mixed": fp32 parameters, gradients and AdamW state, bf16 matmuls under autocast) is
+captured with autocast's weight cache off: a bf16 copy of a weight cached before or during capture would be
+read by every replay, never recast from the updated weight, so make_graphed_callables refuses the cache.
+Capture runs under an autocast of the trainer's dtype with cache_enabled=False, and the graphs recast every
+weight at each replay, as eager autocast does (its cache only saves recasting a weight used twice in one
+forward: same values).
+
 A batch of another shape than the first (a last partial batch) runs eagerly on the same parameters, with
 a warning the first time: same function, just not replayed.
 
@@ -27,27 +34,43 @@ captured step is the same function as an eager one for any accumulation.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from mhar_lit.lit.loss import next_token_loss
 
 
 class _LossModule(nn.Module):
-    """Decoder + cross-entropy (+ z-loss) as one module of (inputs, targets), the unit that is captured."""
+    """Decoder + cross-entropy (+ z-loss) as one module of (inputs, targets), the unit that is captured: the
+    training loss of LanguageModel._loss (plain or fused), ce alone when z_loss is 0."""
 
-    def __init__(self, model: nn.Module, z_loss: bool) -> None:
+    def __init__(self, model: nn.Module, z_loss: float, fused: bool = False) -> None:
         super().__init__()
-        self.model, self.z_loss = model, z_loss
+        self.model, self.z_loss, self.fused = model, z_loss, fused
 
     def forward(self, inputs: Tensor, targets: Tensor):
-        flat = self.model(inputs).float().flatten(0, 1)
-        ce = F.cross_entropy(flat, targets.flatten())
-        if not self.z_loss:
-            return ce
-        return ce, torch.logsumexp(flat, dim=-1).pow(2).mean()
+        ce, z = next_token_loss(self.model, inputs, targets, self.z_loss, self.fused)
+        return (ce, z) if self.z_loss else ce
+
+
+def _autocast_dtype() -> Optional[torch.dtype]:
+    """The dtype of the autocast active here (Lightning's '*-mixed' precisions enter one around training_step)."""
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+    return None
+
+
+def _capture_autocast(module):
+    """The trainer's autocast with its weight cache off, for capture (see the module docstring); no-op without."""
+    dtype = _autocast_dtype()
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(module.device.type, dtype=dtype, cache_enabled=False)
 
 
 def capture_problems(module) -> list[str]:
@@ -55,8 +78,10 @@ def capture_problems(module) -> list[str]:
     problems = []
     if module.device.type != "cuda":
         problems.append(f"the model is on {module.device}, CUDA graphs need a CUDA device")
-    if torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
-        problems.append("autocast is active (precision '*-mixed'): use precision 'bf16-true' or '32-true'")
+    autocast = _autocast_dtype()
+    if autocast not in (None, torch.bfloat16):
+        problems.append(f"autocast to {autocast} is active (precision '16-mixed'): capture is tested with "
+                        "'bf16-mixed', 'bf16-true' and '32-true'")
     if module.model.activation_checkpointing:
         problems.append("activation_checkpointing is on")
     if module._trainer is not None and module.trainer.world_size > 1:
@@ -127,10 +152,12 @@ class GraphedLoss:
         inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         if self.graphed is None:
             check_supported(module)
-            loss_module = _LossModule(module.model, bool(module.hparams.z_loss))
-            # allow_unused_input: a parameter the loss does not reach gets no gradient, as in eager mode
-            self.graphed = torch.cuda.make_graphed_callables(loss_module, (inputs, targets), allow_unused_input=True)
-            self.gradients = GraphGradients(self.graphed, (inputs, targets), module.model.parameters())
+            loss_module = _LossModule(module.model, module.hparams.z_loss, module.hparams.get("fused_loss", False))
+            with _capture_autocast(module):
+                # allow_unused_input: a parameter the loss does not reach gets no gradient, as in eager mode
+                self.graphed = torch.cuda.make_graphed_callables(loss_module, (inputs, targets),
+                                                                 allow_unused_input=True)
+                self.gradients = GraphGradients(self.graphed, (inputs, targets), module.model.parameters())
             self.shape = inputs.shape
         if inputs.shape != self.shape:
             if self.eager_batches == 0:

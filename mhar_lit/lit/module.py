@@ -19,6 +19,7 @@ from torchmetrics import MeanMetric
 from mhar_lit.config import ModelConfig
 from mhar_lit.models.decoder import DecoderLM, RMSNorm
 from mhar_lit.errors import UserError, UserFileNotFoundError
+from mhar_lit.lit.loss import next_token_loss
 from mhar_lit.residual.base import ALLOWED_PACKAGES, ResidualStrategy, without_speed_options
 from mhar_lit.residual.standard import StandardResidual
 
@@ -67,11 +68,14 @@ class LanguageModel(L.LightningModule):
         warmup_steps, decay_steps, min_lr_ratio: schedule; decay_steps 0 or None means trainer.max_steps.
         grad_clip: global-norm clipping (0 disables); the pre-clip norm is logged as train/grad_norm.
         z_loss: weight of mean(logsumexp(logits)^2) (0 disables).
+        fused_loss: compute the LM head and the loss chunk by chunk with liger-kernel's cross-entropy kernel,
+            never holding the fp32 logits of the whole batch (mhar_lit.kernels.linear_cross_entropy; needs the
+            `fused` extra). Same loss and gradients as the plain path within rounding; captured and eager alike.
         activation_checkpointing: recompute sublayers in backward. compile: torch.compile the decoder.
         cuda_graph: capture the training forward and backward as CUDA graphs at the first batch (removes the
             per-kernel host cost that makes the paper's microbatches host-bound; needs CUDA, precision
-            "bf16-true" or "32-true", one device; see mhar_lit.lit.cuda_graph). None (the default): capture
-            wherever that holds, else train eagerly; the path taken and why is logged once at the first batch.
+            "bf16-true", "bf16-mixed" or "32-true", one device; see mhar_lit.lit.cuda_graph). None (the default):
+            capture wherever that holds, else train eagerly; the path taken and why is logged once at the first batch.
             True: capture or refuse the run; False: eager.
         tail_k: number of last validations averaged into val/tail_mean (the paper's metric uses 11).
         init_from: a directory written by `python -m mhar_lit convert` or a .safetensors file to start from.
@@ -95,6 +99,7 @@ class LanguageModel(L.LightningModule):
         min_lr_ratio: float = 0.1,
         grad_clip: float = 1.0,
         z_loss: float = 0.0,
+        fused_loss: bool = False,
         activation_checkpointing: bool = False,
         compile: bool = False,
         cuda_graph: Optional[bool] = None,
@@ -134,10 +139,7 @@ class LanguageModel(L.LightningModule):
 
     def _loss(self, batch: Tensor) -> tuple[Tensor, Tensor, int]:
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = self(inputs).float()
-        flat = logits.flatten(0, 1)
-        ce = F.cross_entropy(flat, targets.flatten())
-        z = torch.logsumexp(flat, dim=-1).pow(2).mean() if self.hparams.z_loss else flat.new_zeros(())
+        ce, z = next_token_loss(self.model, inputs, targets, self.hparams.z_loss, self.hparams.get("fused_loss", False))
         return ce, z, targets.numel()
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
@@ -319,6 +321,9 @@ class LanguageModel(L.LightningModule):
         tag_run(self.trainer, self.model.residual, self.hparams.size, os.environ.get("PL_GLOBAL_SEED"))
 
     def setup(self, stage: str) -> None:
+        if self.hparams.get("fused_loss") and "FSDP" in type(self.trainer.strategy).__name__:
+            raise UserError("model.fused_loss reads lm_head.weight outside the LM head's forward, which FSDP does not "
+                             "gather there: use one device or DDP, or fused_loss: false")
         data = getattr(self.trainer, "datamodule", None)
         vocab = getattr(data, "vocab_size", None)
         if vocab is not None and vocab > self.config.vocab_size:

@@ -278,9 +278,12 @@ class DecoderLM(nn.Module):
         cache.end_step(input_ids.shape[1])
         return self.norm(self.residual.final(state))
 
-    def forward(self, input_ids: Tensor, cache: Any = None) -> Tensor:
-        """Logits [B, T, V]; with a cache, of the new tokens only (see hidden_states)."""
-        return self.lm_head(self.hidden_states(input_ids, cache))
+    def forward(self, input_ids: Tensor, cache: Any = None, hidden_only: bool = False) -> Tensor:
+        """Logits [B, T, V]; with a cache, of the new tokens only (see hidden_states). hidden_only: the hidden
+        states [B, T, D] instead, for a loss that does the LM head product itself (model.fused_loss); through
+        forward rather than hidden_states so that compile and module hooks see the call."""
+        hidden = self.hidden_states(input_ids, cache)
+        return hidden if hidden_only else self.lm_head(hidden)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         total = sum(p.numel() for p in self.parameters())
