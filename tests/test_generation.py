@@ -17,11 +17,11 @@ from mhar_lit.generation import (
     PromptTooLongError,
     Sampling,
     cut_at_stop,
+    decode_routing,
     filter_logits,
     generate,
     left_pad,
     next_tokens,
-    torch_routing,
 )
 from mhar_lit.generation.cli import TextStream, generate_main
 from mhar_lit.models.decoder import DecoderLM, apply_rope
@@ -224,7 +224,7 @@ def test_triton_strategy_decodes_on_the_torch_path_and_keeps_its_backend():
     torch.manual_seed(0)
     model = DecoderLM(ModelConfig.from_name("tiny-4l"), FullAttnRes(heads=4)).eval()
     model.residual.set_routing_backend("triton", {"chunk": 2})
-    with torch_routing(model):
+    with decode_routing(model):
         assert model.residual.backend == "torch"
     assert model.residual.routing_choice == ("triton", {"chunk": 2})
     generate(model, [[1, 2, 3]], 3)
