@@ -10,8 +10,8 @@ from test_generation import prompts_and_continuations, randomised_model
 from mhar_lit.data.tokenizer import ByteTokenizer
 from mhar_lit.generation import IncrementalText, KVCache, Sampling, StopMatcher, decode_routing, generate, left_pad
 from mhar_lit.generation.cache import grouped_attention
-from mhar_lit.generation.routing import DecodeFullRouter
-from mhar_lit.routing.torch_routers import FullRouter
+from mhar_lit.generation.routing import DecodeCallRouter, DecodeFullRouter
+from mhar_lit.routing.torch_routers import CallRouter, FullRouter
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -53,22 +53,50 @@ def test_decode_router_equals_the_reference_full_router(dtype, tol, heads):
             states = [reference.add(states[0], outputs[site + 1]), fast.add(states[1], outputs[site + 1])]
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_decode_call_router_equals_the_reference_call_router(dtype, tol):
+    """Delta-style calls (a broadcast null row per site, then deltas that persist across sites) give the
+    reference's mixtures; a delta is normalised once, found again by identity, and a new tensor at the same
+    address is not mistaken for it."""
+    gen = torch.Generator().manual_seed(0)
+    sites, (b, t, d) = 6, (2, 3, 16)
+    query, null = (torch.randn(sites, d, generator=gen, dtype=dtype) for _ in range(2))
+    norm = 1 + 0.3 * torch.randn(sites, d, generator=gen, dtype=dtype)
+    reference, fast = CallRouter(8, 1e-6), DecodeCallRouter(8, 1e-6, fixed_rows=null)
+    for _ in range(2):  # two passes: the second pass's deltas are new tensors
+        deltas = []
+        for site in range(sites):
+            if site % 2 == 0:
+                deltas.append(torch.randn(b, t, d, generator=gen, dtype=dtype))
+            sources = [null[site].expand(b, t, d), *deltas]
+            expected = reference.route(sources, query[site], norm[site])
+            torch.testing.assert_close(fast.route(sources, query[site], norm[site]), expected, rtol=tol, atol=tol)
+    assert len(fast._row_keys) == sites
+    unknown_row = torch.randn(d, generator=gen, dtype=dtype).expand(b, t, d)  # not a row of fixed_rows
+    torch.testing.assert_close(fast.route([unknown_row], query[0], norm[0]),
+                               reference.route([unknown_row], query[0], norm[0]), rtol=tol, atol=tol)
+
+
+DECODE_ROUTER_CASES = [("full", 1), ("full", 8), ("delta", 8)]
+
+
 @pytest.mark.parametrize("dtype,query_std,tol", [(torch.float32, 0.3, 1e-5), (torch.float64, 1.0, 1e-12)])
-@pytest.mark.parametrize("heads", [1, 8])
-def test_cached_decoding_with_the_decode_router_equals_the_full_forward(heads, dtype, query_std, tol):
-    """Prefill + single-token steps under decode_routing give the training forward's logits (full mode)."""
-    model = randomised_model("full", heads, query_std=query_std, dtype=dtype)
+@pytest.mark.parametrize("name,heads", DECODE_ROUTER_CASES, ids=[f"{n}-H{h}" for n, h in DECODE_ROUTER_CASES])
+def test_cached_decoding_with_the_decode_routers_equals_the_full_forward(name, heads, dtype, query_std, tol):
+    """Prefill + single-token steps under decode_routing give the training forward's logits."""
+    model = randomised_model(name, heads, query_std=query_std, dtype=dtype)
     prompts, continuations = prompts_and_continuations()
     ids, mask = left_pad(prompts)
     width, steps = ids.shape[1], len(continuations[0])
     cache = KVCache.for_model(model, len(prompts), width + steps)
+    decode_router = DecodeFullRouter if name == "full" else DecodeCallRouter
     with torch.no_grad():
         with decode_routing(model):
-            assert isinstance(model.residual.router, DecodeFullRouter)
+            assert isinstance(model.residual.router, decode_router)
             cache.next_valid = mask
             prefill_logits = model(ids, cache)
             step_logits = [model(torch.tensor([[c[j]] for c in continuations]), cache)[:, 0] for j in range(steps)]
-        assert not isinstance(model.residual.router, DecodeFullRouter)  # the training router is back
+        assert not isinstance(model.residual.router, decode_router)  # the training router is back
         for row, (prompt, cont) in enumerate(zip(prompts, continuations)):
             reference = model(torch.tensor([prompt + cont]))[0]
             cached = torch.cat([prefill_logits[row, width - len(prompt):],

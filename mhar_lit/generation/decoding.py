@@ -31,7 +31,7 @@ from torch import Tensor
 
 from mhar_lit.generation.cache import KVCache
 from mhar_lit.generation.graph import CapturedStep
-from mhar_lit.generation.routing import DecodeFullRouter
+from mhar_lit.generation.routing import DecodeCallRouter, DecodeFullRouter
 from mhar_lit.generation.sampling import Sampling, next_tokens
 from mhar_lit.generation.text import IncrementalText, StopMatcher
 
@@ -44,7 +44,7 @@ class PromptTooLongError(ValueError):
 
 @contextlib.contextmanager
 def decode_routing(model: torch.nn.Module) -> Iterator[None]:
-    """Route on the PyTorch backend inside the block, full-mode strategies with the decode router
+    """Route on the PyTorch backend inside the block, full- and call-mode strategies with the decode routers
     (mhar_lit.generation.routing: each source normalised once, a few kernels per site), and restore the model's
     routing choice after it (strategies without routing are left alone). A decode step routes one token per
     row: a tiny problem for which the fused training kernels' per-pass buffers and launches only add cost."""
@@ -54,9 +54,11 @@ def decode_routing(model: torch.nn.Module) -> Iterator[None]:
         return
     original = residual.routing_choice
     residual.set_routing_backend("torch")
+    # the strategy reads its router from this attribute; set_routing_backend below makes it again
     if residual.routing_mode == "full":
-        # the strategy reads its router from this attribute; set_routing_backend below makes it again
         residual._router = DecodeFullRouter(residual.heads, residual.eps)
+    elif residual.routing_mode == "call":
+        residual._router = DecodeCallRouter(residual.heads, residual.eps, getattr(residual, "null", None))
     try:
         yield
     finally:

@@ -1,4 +1,4 @@
-"""Full-mode depth routing for cached decoding: each source normalised once, a few kernels per site.
+"""Depth routing for cached decoding (full and call mode): each source normalised once, a few kernels per site.
 
 The reference full router (mhar_lit.routing.torch_routers.FullRouter) stacks every earlier source at every site
 and normalises all of them again: at site s that is s + 1 sources, so a pass over 2L + 1 sites copies and
@@ -11,7 +11,10 @@ their normalised keys, each computed once when the source is added:
     route(s):    logit[n, h] = < keys[n]_[h], w_s,[h] >,  w_s = q_s * g_s            (n = 0 .. s)
                  out_[h]     = sum_n softmax_n(logit)[n, h] * values[n]_[h]
 
-About six kernels per site, and the work per site is linear in its sources. Keys are the reference's rounded
+About six kernels per site, and the work per site is linear in its sources. Call mode (delta residuals) gets
+the same from `DecodeCallRouter`: a delta is routed at every later site of its pass, so its key is computed
+the first time and found again by identity; the null source of a site (a parameter row broadcast over the
+batch) has its key computed once per decode for all sites. Keys are the reference's rounded
 normalised sources (bitwise); folding the key-norm weight g into the query (w = q g, as the block router's
 two-phase path does) changes only the fp32 rounding order of the logits. Installed for decoding only
 (`mhar_lit.generation.decoding.decode_routing`): it writes into its buffers in place, which autograd must not see.
@@ -19,13 +22,21 @@ two-phase path does) changes only the fp32 rounding order of the logits. Install
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from mhar_lit.routing import compute_dtype
-from mhar_lit.routing.routers import DepthRouter
+from mhar_lit.routing.routers import CallRouter, DepthRouter
+
+
+def normalized_key(source: Tensor, eps: float) -> Tensor:
+    """round_storage(S r(S)) in the storage dtype (exactly the reference's rounded normalised source)."""
+    v = source.to(compute_dtype(source.dtype))
+    return (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)).to(source.dtype)
 
 
 @dataclass(eq=False)
@@ -75,3 +86,50 @@ class DecodeFullRouter(DepthRouter):
 
     def sources(self, state: _DecodeFullState, site: int) -> Tensor:
         return state.values[: site + 1]
+
+
+class DecodeCallRouter(CallRouter):
+    """A call-mode router (same contract as the reference CallRouter) for no-grad decoding: the sources' keys
+    are computed once (see the module docstring), the routing itself is a few kernels per site.
+
+    fixed_rows: a parameter [sites, D] whose rows are routed as broadcast sources (DeltaAttnRes.null); their
+    keys are computed here once and found by address, which is safe because parameters neither move nor
+    change while a decode runs (the router lives for one generate call)."""
+
+    backend = "torch"
+    _PRUNE_AT = 64  # dead entries of the identity memo are dropped when it grows past this
+
+    def __init__(self, heads: int, eps: float, fixed_rows: Optional[Tensor] = None) -> None:
+        super().__init__(heads, eps)
+        self._known: dict[int, tuple[weakref.ref, Tensor]] = {}  # id(source) -> (the source, weakly; its key)
+        self._row_keys: dict[int, Tensor] = {}
+        if fixed_rows is not None:
+            with torch.no_grad():
+                keys = normalized_key(fixed_rows, eps)
+            self._row_keys = {fixed_rows[s].data_ptr(): keys[s] for s in range(fixed_rows.shape[0])}
+
+    def route(self, sources: list[Tensor], query: Tensor, norm_weight: Tensor) -> Tensor:
+        n, (b, t, d) = len(sources), sources[0].shape
+        heads = self.heads
+        values = torch.stack(sources) if n > 1 else sources[0].unsqueeze(0)
+        keys = torch.stack([self._key(s) for s in sources]) if n > 1 else self._key(sources[0]).unsqueeze(0)
+        ctype = compute_dtype(values.dtype)
+        weights_HK = (query.to(ctype) * norm_weight.to(ctype)).view(heads, d // heads)
+        weights_NBTH = (keys.view(n, b, t, heads, d // heads) * weights_HK).sum(-1).softmax(dim=0)
+        mixed_BTHK = (weights_NBTH.unsqueeze(-1) * values.view(n, b, t, heads, d // heads)).sum(0)
+        return mixed_BTHK.reshape(b, t, d).to(values.dtype)
+
+    def _key(self, source: Tensor) -> Tensor:
+        if source.dim() > 1 and not any(source.stride()[:-1]):  # one row broadcast over batch and positions
+            row = self._row_keys.get(source.data_ptr())
+            if row is None:
+                row = normalized_key(source.reshape(-1, source.shape[-1])[0], self.eps)
+            return row.to(source.dtype).expand_as(source)
+        entry = self._known.get(id(source))
+        if entry is not None and entry[0]() is source:
+            return entry[1]
+        key = normalized_key(source, self.eps)
+        if len(self._known) >= self._PRUNE_AT:
+            self._known = {k: v for k, v in self._known.items() if v[0]() is not None}
+        self._known[id(source)] = (weakref.ref(source), key)
+        return key
