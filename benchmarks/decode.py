@@ -35,7 +35,6 @@ import argparse
 import datetime as dt
 import gc
 import json
-import os
 import platform
 import shlex
 import statistics

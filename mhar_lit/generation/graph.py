@@ -5,8 +5,9 @@ its bookkeeping in tensors (mhar_lit.generation.cache), so one capture is valid 
 costs one warm-up step and starts in milliseconds, where compiling a 28-layer model takes tens of seconds and
 compiles again for every new cache length or batch (generate sizes its cache per call), which would defeat a
 command that must answer within seconds. The replayed kernels are the eager step's, on the same shapes, so
-the graph computes what the eager step computes (tokens equal to the eager loop's: a CUDA test). The kernel count that compile would have fused away is cut by hand where it
-matters (decode routing in mhar_lit.generation.routing, GQA attention without copies in cache.py).
+the graph computes what the eager step computes (the graph loop's tokens equal the eager loop's: a CUDA test).
+The kernel count that compile would have fused away is cut by hand where it matters (decode routing in
+mhar_lit.generation.routing, GQA attention without copies in cache.py).
 """
 
 from __future__ import annotations
