@@ -9,7 +9,7 @@ from test_generation import prompts_and_continuations, randomised_model
 
 from mhar_lit.data.tokenizer import ByteTokenizer
 from mhar_lit.generation import IncrementalText, KVCache, Sampling, StopMatcher, decode_routing, generate, left_pad
-from mhar_lit.generation.cache import grouped_attention
+from mhar_lit.generation.cache import fold_mask, grouped_attention
 from mhar_lit.generation.routing import DecodeCallRouter, DecodeFullRouter
 from mhar_lit.routing.torch_routers import CallRouter, FullRouter
 
@@ -29,7 +29,8 @@ def test_grouped_attention_equals_sdpa_with_gqa_and_a_boolean_mask(heads, kv_hea
     allowed = (keys <= columns[:, None]) & (valid[:, None, :] | (keys == columns[:, None]))  # [B, T, L]
     bias = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, float("-inf")).unsqueeze(1)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1), enable_gqa=heads != kv_heads)
-    torch.testing.assert_close(grouped_attention(q, k, v, bias), expected, rtol=0, atol=1e-12)
+    got = grouped_attention(q, k, v, fold_mask(bias, heads // kv_heads))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------- routing

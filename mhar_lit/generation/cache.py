@@ -50,6 +50,7 @@ class KVCache:
         self.next_valid: Optional[Tensor] = None  # [B, T] real-token mask of the next call (None: all real)
         self._columns: Optional[Tensor] = None
         self._mask: Optional[Tensor] = None
+        self._folded: dict[int, Tensor] = {}  # this step's mask folded per group size (built once, every layer)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch: int, max_len: int) -> "KVCache":
@@ -91,6 +92,13 @@ class KVCache:
     def end_step(self, count: int) -> None:
         self.write_index += count
         self._columns = self._mask = None
+        self._folded = {}
+
+    def folded_mask(self, group: int) -> Tensor:
+        """This step's additive mask folded for `group` query heads per key head (see grouped_attention)."""
+        if group not in self._folded:
+            self._folded[group] = fold_mask(self._mask, group)
+        return self._folded[group]
 
     def layer(self, index: int) -> "LayerKV":
         return LayerKV(self, index)
@@ -105,8 +113,9 @@ class LayerKV:
     def attend(self, q_BHTD: Tensor, k_BKTD: Tensor, v_BKTD: Tensor) -> Tensor:
         """Store this call's keys and values, then attention of the new queries over every cached column:
         [B, heads, T, head_dim] (see grouped_attention)."""
-        keys, values, bias = self.update(k_BKTD, v_BKTD)
-        return grouped_attention(q_BHTD, keys, values, bias)
+        keys, values, _ = self.update(k_BKTD, v_BKTD)
+        group = q_BHTD.shape[1] // keys.shape[1]
+        return grouped_attention(q_BHTD, keys, values, self.cache.folded_mask(group))
 
     def update(self, k_BHTD: Tensor, v_BHTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Write the new keys/values; returns (all keys, all values, additive mask [B, 1, T, max_len])."""
@@ -119,14 +128,18 @@ class LayerKV:
         return keys, values, cache._mask
 
 
-def grouped_attention(q_BHTD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, bias_B1TL: Tensor) -> Tensor:
+def fold_mask(bias_B1TL: Tensor, group: int) -> Tensor:
+    """The mask of T query rows repeated for the G query heads of a group: [B, 1, G*T, L] (a view when T = 1)."""
+    b, _, t, length = bias_B1TL.shape
+    return bias_B1TL.unsqueeze(2).expand(b, 1, group, t, length).reshape(b, 1, group * t, length)
+
+
+def grouped_attention(q_BHTD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, folded_bias: Tensor) -> Tensor:
     """Softmax attention of H query heads over K <= H key/value heads (query head h reads key head h // (H/K),
     as SDPA's enable_gqa), under an additive mask broadcast over heads. The G = H/K query heads of a group are
-    folded into the query length ([B, K, G*T, D]) so that no key or value is repeated; the mask is repeated
-    G times along the query rows instead (a view when T = 1)."""
+    folded into the query length ([B, K, G*T, D]) so that no key or value is repeated; the mask comes folded
+    the same way (`fold_mask`)."""
     b, h, t, d = q_BHTD.shape
-    kv_heads, length = k_BKLD.shape[1], k_BKLD.shape[2]
-    group = h // kv_heads
-    q = q_BHTD.reshape(b, kv_heads, group * t, d)
-    bias = bias_B1TL.unsqueeze(2).expand(b, 1, group, t, length).reshape(b, 1, group * t, length)
-    return F.scaled_dot_product_attention(q, k_BKLD, v_BKLD, attn_mask=bias).view(b, h, t, d)
+    kv_heads = k_BKLD.shape[1]
+    q = q_BHTD.reshape(b, kv_heads, (h // kv_heads) * t, d)
+    return F.scaled_dot_product_attention(q, k_BKLD, v_BKLD, attn_mask=folded_bias).view(b, h, t, d)
