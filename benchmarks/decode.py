@@ -22,7 +22,9 @@ Cases run in priority order (prompt 128 / 128 new first, then prompt 1,024, then
 cut keeps the most telling ones; `--budget-s` stops before a case that the previous case's duration says would
 not fit, and the JSON is rewritten after every case, so a run that is killed still leaves what it measured.
 
-JSON (default benchmarks/results/decode.json): commit, device, versions, date, command, settings and `cases`:
+Before timing, each model's greedy tokens in --mode are checked against the eager reference loop
+(`same_tokens_as_eager_mode`). JSON (default benchmarks/results/decode.json): commit, device, versions, date,
+command, settings, that check and `cases`:
 {"model", "batch", "prompt", "new_tokens", "tokens_per_s", "ttft_ms", "transformers_eager_tokens_per_s",
 "transformers_compiled_tokens_per_s", "transformers_eager_ttft_ms", "same_greedy_tokens"}; a measurement that
 was not made is null. same_greedy_tokens: the rows whose tokens equal transformers' eager ones (bf16: random
@@ -172,6 +174,14 @@ def peer_call(model: torch.nn.Module, ids: torch.Tensor, new: int, compiled: boo
     return call
 
 
+def same_tokens_as_eager(model: torch.nn.Module, mode: str, batch: int = 2, prompt: int = 16, new: int = 16) -> bool:
+    """Whether `mode` generates the eager reference loop's greedy tokens (left-padded rows of two lengths)."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.config.vocab_size, (prompt - 5 * row,), generator=gen).tolist()
+               for row in range(batch)]
+    return generate(model, prompts, new, mode=mode) == generate(model, prompts, new, mode="eager")
+
+
 def measure_case(contender: Contender, batch: int, prompt: int, new: int, args, peer_cache: dict) -> dict:
     device = contender.ours.embed_tokens.weight.device
     gen = torch.Generator().manual_seed(batch * 100_003 + prompt)
@@ -316,6 +326,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="decode-bench-") as workdir:
         contenders = {c.name: c for c in build_models(args.models, device, dtype, args.dry_run, Path(workdir))}
     report["setup_s"] = time.perf_counter() - start
+    report["same_tokens_as_eager_mode"] = {name: same_tokens_as_eager(c.ours, args.mode)
+                                           for name, c in contenders.items()}
+    write(out, report)
     peer_cache: dict = {}
     order = case_order(args.models, args.batches, args.prompts, args.new_tokens)
 

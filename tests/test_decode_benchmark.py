@@ -21,6 +21,8 @@ def test_dry_run_writes_every_case(tmp_path):
                    check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     report = json.loads(out.read_text())
     assert report["complete"] and report["dry_run"] and report["device"] and report["commit"]
+    assert report["same_tokens_as_eager_mode"] == {"qwen3-0.6b-delta-h8": True, "350M-standard": True,
+                                                   "350M-mhar-h8": True}
     for key in ("torch", "transformers", "date", "command"):
         assert report[key]
     cases = report["cases"]
