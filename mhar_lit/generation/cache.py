@@ -113,19 +113,19 @@ class LayerKV:
     def attend(self, q_BHTD: Tensor, k_BKTD: Tensor, v_BKTD: Tensor) -> Tensor:
         """Store this call's keys and values, then attention of the new queries over every cached column:
         [B, heads, T, head_dim] (see grouped_attention)."""
-        keys, values, _ = self.update(k_BKTD, v_BKTD)
+        keys, values = self.update(k_BKTD, v_BKTD)
         group = q_BHTD.shape[1] // keys.shape[1]
         return grouped_attention(q_BHTD, keys, values, self.cache.folded_mask(group))
 
-    def update(self, k_BHTD: Tensor, v_BHTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Write the new keys/values; returns (all keys, all values, additive mask [B, 1, T, max_len])."""
+    def update(self, k_BHTD: Tensor, v_BHTD: Tensor) -> tuple[Tensor, Tensor]:
+        """Write the new keys/values; returns all keys and values [B, kv_heads, max_len, head_dim]."""
         cache = self.cache
         if cache._columns is None:
             raise RuntimeError("KVCache.update outside a cached forward (begin_step was not called)")
         keys, values = cache.keys[self.index], cache.values[self.index]
         keys.index_copy_(2, cache._columns, k_BHTD.to(keys.dtype))
         values.index_copy_(2, cache._columns, v_BHTD.to(values.dtype))
-        return keys, values, cache._mask
+        return keys, values
 
 
 def fold_mask(bias_B1TL: Tensor, group: int) -> Tensor:
