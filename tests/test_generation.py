@@ -17,11 +17,11 @@ from mhar_lit.generation import (
     PromptTooLongError,
     Sampling,
     cut_at_stop,
+    decode_routing,
     filter_logits,
     generate,
     left_pad,
     next_tokens,
-    torch_routing,
 )
 from mhar_lit.generation.cli import TextStream, generate_main
 from mhar_lit.models.decoder import DecoderLM, apply_rope
@@ -195,26 +195,14 @@ def test_decode_step_compiles_to_one_graph_for_every_position(name, heads):
 def test_decode_step_replays_as_a_cuda_graph():
     """One captured step replayed at every position gives the eager logits (the cache advances on the GPU)."""
     from mhar_lit.generation import decode_step
+    from mhar_lit.generation.graph import CapturedStep
 
-    graph, static = {}, {}
+    graph = []
 
     def captured(model, tokens, cache):
         if not graph:
-            state = [t.clone() for t in (cache.write_index, cache.next_position, cache.key_valid)]
-            static["tokens"] = tokens.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up run (allocator, kernels); its cache update is undone below
-                decode_step(model, static["tokens"], cache)
-            torch.cuda.current_stream().wait_stream(side)
-            for saved, live in zip(state, (cache.write_index, cache.next_position, cache.key_valid)):
-                live.copy_(saved)
-            graph["g"] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph["g"]):
-                static["logits"] = decode_step(model, static["tokens"], cache)
-        static["tokens"].copy_(tokens)
-        graph["g"].replay()
-        return static["logits"].clone()
+            graph.append(CapturedStep(decode_step, model, cache, tokens))
+        return graph[0](tokens).clone()
 
     for eager, replayed in _decode_twice(captured, "full", 8, device="cuda"):
         assert torch.allclose(eager, replayed, rtol=0, atol=1e-5)
@@ -224,7 +212,7 @@ def test_triton_strategy_decodes_on_the_torch_path_and_keeps_its_backend():
     torch.manual_seed(0)
     model = DecoderLM(ModelConfig.from_name("tiny-4l"), FullAttnRes(heads=4)).eval()
     model.residual.set_routing_backend("triton", {"chunk": 2})
-    with torch_routing(model):
+    with decode_routing(model):
         assert model.residual.backend == "torch"
     assert model.residual.routing_choice == ("triton", {"chunk": 2})
     generate(model, [[1, 2, 3]], 3)

@@ -17,6 +17,12 @@ CUDA graph. For the same reason nothing checks on the host that a write fits: th
 A batch of prompts of different lengths is left-padded: every row writes the same column at each step, a
 row's RoPE positions count only its real tokens (its first real token is position 0), and padded keys are
 masked. A padded query attends to itself only, so its (unused) activations stay finite.
+
+Attention over the cache (`grouped_attention`): the mask is additive (0 or -inf, in the activation dtype) and
+grouped-query heads are folded into the query length: the G query heads that share a key/value head become G
+query rows of one head, so SDPA sees plain multi-head attention over the cached keys. With a boolean mask and
+`enable_gqa`, PyTorch sends GQA to its math kernel, which also copies every cached key and value G times per
+step; folded, nothing is expanded and a masked fused kernel (memory-efficient attention on CUDA) can run.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -43,6 +50,7 @@ class KVCache:
         self.next_valid: Optional[Tensor] = None  # [B, T] real-token mask of the next call (None: all real)
         self._columns: Optional[Tensor] = None
         self._mask: Optional[Tensor] = None
+        self._folded: dict[int, Tensor] = {}  # this step's mask folded per group size (built once, every layer)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch: int, max_len: int) -> "KVCache":
@@ -76,29 +84,62 @@ class KVCache:
         keys = torch.arange(self.max_len, device=device)
         causal = keys <= columns.unsqueeze(1)  # [count, max_len]
         itself = keys == columns.unsqueeze(1)
-        mask = causal & (self.key_valid.unsqueeze(1) | itself)  # [B, count, max_len]
-        self._columns, self._mask = columns, mask.unsqueeze(1)
+        allowed = causal & (self.key_valid.unsqueeze(1) | itself)  # [B, count, max_len]
+        bias = torch.zeros(allowed.shape, device=device, dtype=self.keys.dtype)
+        self._columns, self._mask = columns, bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
         return positions
 
     def end_step(self, count: int) -> None:
         self.write_index += count
         self._columns = self._mask = None
+        self._folded = {}
+
+    def folded_mask(self, group: int) -> Tensor:
+        """This step's additive mask folded for `group` query heads per key head (see grouped_attention)."""
+        if group not in self._folded:
+            self._folded[group] = fold_mask(self._mask, group)
+        return self._folded[group]
 
     def layer(self, index: int) -> "LayerKV":
         return LayerKV(self, index)
 
 
 class LayerKV:
-    """One layer's view of the cache, handed to its attention: stores new keys/values, returns all of them."""
+    """One layer's view of the cache, handed to its attention: stores new keys/values and attends over all."""
 
     def __init__(self, cache: KVCache, index: int) -> None:
         self.cache, self.index = cache, index
 
-    def update(self, k_BHTD: Tensor, v_BHTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def attend(self, q_BHTD: Tensor, k_BKTD: Tensor, v_BKTD: Tensor) -> Tensor:
+        """Store this call's keys and values, then attention of the new queries over every cached column:
+        [B, heads, T, head_dim] (see grouped_attention)."""
+        keys, values = self.update(k_BKTD, v_BKTD)
+        group = q_BHTD.shape[1] // keys.shape[1]
+        return grouped_attention(q_BHTD, keys, values, self.cache.folded_mask(group))
+
+    def update(self, k_BHTD: Tensor, v_BHTD: Tensor) -> tuple[Tensor, Tensor]:
+        """Write the new keys/values; returns all keys and values [B, kv_heads, max_len, head_dim]."""
         cache = self.cache
         if cache._columns is None:
             raise RuntimeError("KVCache.update outside a cached forward (begin_step was not called)")
         keys, values = cache.keys[self.index], cache.values[self.index]
         keys.index_copy_(2, cache._columns, k_BHTD.to(keys.dtype))
         values.index_copy_(2, cache._columns, v_BHTD.to(values.dtype))
-        return keys, values, cache._mask
+        return keys, values
+
+
+def fold_mask(bias_B1TL: Tensor, group: int) -> Tensor:
+    """The mask of T query rows repeated for the G query heads of a group: [B, 1, G*T, L] (a view when T = 1)."""
+    b, _, t, length = bias_B1TL.shape
+    return bias_B1TL.unsqueeze(2).expand(b, 1, group, t, length).reshape(b, 1, group * t, length)
+
+
+def grouped_attention(q_BHTD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, folded_bias: Tensor) -> Tensor:
+    """Softmax attention of H query heads over K <= H key/value heads (query head h reads key head h // (H/K),
+    as SDPA's enable_gqa), under an additive mask broadcast over heads. The G = H/K query heads of a group are
+    folded into the query length ([B, K, G*T, D]) so that no key or value is repeated; the mask comes folded
+    the same way (`fold_mask`)."""
+    b, h, t, d = q_BHTD.shape
+    kv_heads = k_BKLD.shape[1]
+    q = q_BHTD.reshape(b, kv_heads, (h // kv_heads) * t, d)
+    return F.scaled_dot_product_attention(q, k_BKLD, v_BKLD, attn_mask=folded_bias).view(b, h, t, d)

@@ -41,14 +41,14 @@ def filter_logits(logits_BV: Tensor, top_k: Optional[int] = None, top_p: Optiona
     logits = logits_BV.clone()
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits[logits < kth] = float("-inf")
+        logits.masked_fill_(logits < kth, float("-inf"))  # not logits[mask] = ...: boolean indexing syncs the host
     if top_p is not None and top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         mass_before = probs.cumsum(-1) - probs  # probability of the more likely tokens
         drop_sorted = mass_before >= top_p  # the first token has mass_before 0 and is always kept
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits[drop] = float("-inf")
+        logits.masked_fill_(drop, float("-inf"))
     return logits
 
 

@@ -145,7 +145,7 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD: Tensor, cos: Tensor, sin: Tensor, kv: Any = None) -> Tensor:
         """kv: None (training: causal attention over this sequence) or a layer's view of a KV cache, which
-        stores this call's keys and values and returns every cached one with the mask to apply."""
+        stores this call's keys and values and attends over every cached one (`kv.attend(q, k, v)`)."""
         b, t, _ = x_BTD.shape
         q = self.q_proj(x_BTD).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
@@ -154,12 +154,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = self.num_heads != self.num_kv_heads
         if kv is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            k, v, mask = kv.update(k, v)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+        else:  # the cache stores k, v and attends over every cached column (its mask, GQA without copies)
+            out = kv.attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 

@@ -1,0 +1,201 @@
+"""The fast decode paths against their references: grouped attention over the cache vs SDPA with GQA and a
+boolean mask, the decode router vs the reference full router, the device-side token loop vs the eager loop
+(same tokens with EOS, stop strings, sampling), incremental detokenization vs decoding everything."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_generation import prompts_and_continuations, randomised_model
+
+from mhar_lit.data.tokenizer import ByteTokenizer
+from mhar_lit.generation import IncrementalText, KVCache, Sampling, StopMatcher, decode_routing, generate, left_pad
+from mhar_lit.generation.cache import fold_mask, grouped_attention
+from mhar_lit.generation.routing import DecodeCallRouter, DecodeFullRouter
+from mhar_lit.routing.torch_routers import CallRouter, FullRouter
+
+
+# ---------------------------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("new", [1, 5])
+def test_grouped_attention_equals_sdpa_with_gqa_and_a_boolean_mask(heads, kv_heads, new):
+    """Folding query groups into the query length computes SDPA(enable_gqa) under the same mask (fp64)."""
+    gen = torch.Generator().manual_seed(0)
+    b, length, d = 3, 11, 8
+    q = torch.randn(b, heads, new, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, kv_heads, length, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    keys = torch.arange(length)
+    columns = torch.arange(length - new, length)
+    valid = keys >= torch.tensor([[0], [3], [6]])  # left padding of 0, 3 and 6 columns
+    allowed = (keys <= columns[:, None]) & (valid[:, None, :] | (keys == columns[:, None]))  # [B, T, L]
+    bias = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, float("-inf")).unsqueeze(1)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1), enable_gqa=heads != kv_heads)
+    got = grouped_attention(q, k, v, fold_mask(bias, heads // kv_heads))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------- routing
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("heads", [1, 8])
+def test_decode_router_equals_the_reference_full_router(dtype, tol, heads):
+    """Every site's mixture of the decode router equals the reference router's on the same sources."""
+    gen = torch.Generator().manual_seed(heads)
+    sites, shape = 9, (2, 3, 16)
+    query = torch.randn(sites, shape[-1], generator=gen, dtype=dtype)
+    norm = 1 + 0.3 * torch.randn(sites, shape[-1], generator=gen, dtype=dtype)
+    outputs = [torch.randn(shape, generator=gen, dtype=dtype) * (1 + s) for s in range(sites)]
+    reference, fast = FullRouter(heads, 1e-6), DecodeFullRouter(heads, 1e-6)
+    states = [router.begin(outputs[0], query, norm) for router in (reference, fast)]
+    for site in range(sites):
+        expected, got = reference.route(states[0], site), fast.route(states[1], site)
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+        torch.testing.assert_close(fast.sources(states[1], site), reference.sources(states[0], site), rtol=0, atol=0)
+        if site + 1 < sites:
+            states = [reference.add(states[0], outputs[site + 1]), fast.add(states[1], outputs[site + 1])]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_decode_call_router_equals_the_reference_call_router(dtype, tol):
+    """Delta-style calls (a broadcast null row per site, then deltas that persist across sites) give the
+    reference's mixtures; a delta is normalised once, found again by identity, and a new tensor at the same
+    address is not mistaken for it."""
+    gen = torch.Generator().manual_seed(0)
+    sites, (b, t, d) = 6, (2, 3, 16)
+    query, null = (torch.randn(sites, d, generator=gen, dtype=dtype) for _ in range(2))
+    norm = 1 + 0.3 * torch.randn(sites, d, generator=gen, dtype=dtype)
+    reference, fast = CallRouter(8, 1e-6), DecodeCallRouter(8, 1e-6, fixed_rows=null)
+    for _ in range(2):  # two passes: the second pass's deltas are new tensors
+        deltas = []
+        for site in range(sites):
+            if site % 2 == 0:
+                deltas.append(torch.randn(b, t, d, generator=gen, dtype=dtype))
+            sources = [null[site].expand(b, t, d), *deltas]
+            expected = reference.route(sources, query[site], norm[site])
+            torch.testing.assert_close(fast.route(sources, query[site], norm[site]), expected, rtol=tol, atol=tol)
+    assert len(fast._row_keys) == sites
+    unknown_row = torch.randn(d, generator=gen, dtype=dtype).expand(b, t, d)  # not a row of fixed_rows
+    torch.testing.assert_close(fast.route([unknown_row], query[0], norm[0]),
+                               reference.route([unknown_row], query[0], norm[0]), rtol=tol, atol=tol)
+
+
+DECODE_ROUTER_CASES = [("full", 1), ("full", 8), ("delta", 8)]
+
+
+@pytest.mark.parametrize("dtype,query_std,tol", [(torch.float32, 0.3, 1e-5), (torch.float64, 1.0, 1e-12)])
+@pytest.mark.parametrize("name,heads", DECODE_ROUTER_CASES, ids=[f"{n}-H{h}" for n, h in DECODE_ROUTER_CASES])
+def test_cached_decoding_with_the_decode_routers_equals_the_full_forward(name, heads, dtype, query_std, tol):
+    """Prefill + single-token steps under decode_routing give the training forward's logits."""
+    model = randomised_model(name, heads, query_std=query_std, dtype=dtype)
+    prompts, continuations = prompts_and_continuations()
+    ids, mask = left_pad(prompts)
+    width, steps = ids.shape[1], len(continuations[0])
+    cache = KVCache.for_model(model, len(prompts), width + steps)
+    decode_router = DecodeFullRouter if name == "full" else DecodeCallRouter
+    with torch.no_grad():
+        with decode_routing(model):
+            assert isinstance(model.residual.router, decode_router)
+            cache.next_valid = mask
+            prefill_logits = model(ids, cache)
+            step_logits = [model(torch.tensor([[c[j]] for c in continuations]), cache)[:, 0] for j in range(steps)]
+        assert not isinstance(model.residual.router, decode_router)  # the training router is back
+        for row, (prompt, cont) in enumerate(zip(prompts, continuations)):
+            reference = model(torch.tensor([prompt + cont]))[0]
+            cached = torch.cat([prefill_logits[row, width - len(prompt):],
+                                torch.stack([s[row] for s in step_logits])])
+            assert (cached - reference).abs().max().item() <= tol
+
+
+# ---------------------------------------------------------------------------------------------- token loops
+LOOP_CASES = [("standard", None), ("full", 8), ("delta", 8), ("block", 1), ("hyper-dynamic", None)]
+
+
+@pytest.mark.parametrize("name,heads", LOOP_CASES, ids=[n for n, _ in LOOP_CASES])
+def test_device_loop_gives_the_eager_loop_tokens(name, heads):
+    """The device-side loop (EOS on the device, host reads every few steps) returns the eager loop's tokens:
+    greedy and sampled, with EOS and stop strings finishing rows at different steps, for read intervals
+    shorter and longer than the run."""
+    model = randomised_model(name, heads)
+    prompts = [[10, 11, 12], [20], [30, 31, 32, 33, 34]]
+    free = generate(model, prompts, 14, mode="eager")
+    eos = free[0][4]
+    stop = f"{free[2][5]} {free[2][6]}"
+
+    def decode(ids):
+        return " ".join(map(str, ids))
+
+    cases = [(Sampling(), dict(eos_ids=[eos], stop=[stop], decode=decode), (3, 32)),
+             (Sampling(temperature=1.0, top_k=40), dict(stop=[stop], decode=decode), (3,))]
+    for sampling, kwargs, intervals in cases:
+        expected = generate(model, prompts, 14, sampling, torch.Generator().manual_seed(5), mode="eager", **kwargs)
+        for sync_every in intervals:
+            got = generate(model, prompts, 14, sampling, torch.Generator().manual_seed(5), mode="device",
+                           sync_every=sync_every, **kwargs)
+            assert got == expected, (kwargs, sampling, sync_every)
+    assert generate(model, prompts, 14, eos_ids=[eos], mode="device")[0] == free[0][: free[0].index(eos)]
+
+
+def test_device_loop_streams_at_every_read():
+    model = randomised_model("full", 8)
+    seen = []
+    tokens = generate(model, [[1, 2], [3]], 10, mode="device", sync_every=4,
+                      on_step=lambda toks, done: seen.append([len(t) for t in toks]))
+    assert seen == [[4, 4], [8, 8], [10, 10]] and [len(t) for t in tokens] == [10, 10]
+
+
+def test_decode_modes_are_checked():
+    model = randomised_model("standard", None)
+    with pytest.raises(ValueError, match="'graph' .*needs a CUDA device, the model is on cpu"):
+        generate(model, [[1]], 2, mode="graph")
+    with pytest.raises(ValueError, match="unknown decode mode 'fast'"):
+        generate(model, [[1]], 2, mode="fast")
+    with pytest.raises(ValueError, match="sync_every must be >= 1"):
+        generate(model, [[1]], 2, sync_every=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a CUDA device")
+def test_graph_loop_gives_the_eager_loop_tokens_on_cuda():
+    model = randomised_model("full", 8).cuda()
+    prompts = [[10, 11, 12], [20], [30, 31, 32, 33, 34]]
+    for sampling in (Sampling(), Sampling(temperature=1.0, top_p=0.9)):
+        runs = [generate(model, prompts, 20, sampling, torch.Generator("cuda").manual_seed(2), mode=mode)
+                for mode in ("eager", "graph")]
+        assert runs[0] == runs[1]
+
+
+# ---------------------------------------------------------------------------------------------- text
+def test_incremental_text_equals_decoding_everything():
+    """Byte tokens with multi-byte characters: the text is the full decode without its incomplete tail."""
+    tok = ByteTokenizer()
+    data = list("naïve 日本語 text ✓!".encode())
+    text = IncrementalText(tok.decode)
+    for i, token in enumerate(data, 1):
+        text.push(token)
+        assert text.text == tok.decode(data[:i]).rstrip("\ufffd")
+    cut = IncrementalText(tok.decode)
+    for token in data[:8]:  # ends after the first of the 3 bytes of "日"
+        cut.push(token)
+    assert cut.finish() == "\ufffd" and cut.text == tok.decode(data[:8])
+
+
+def test_incremental_text_with_a_bpe_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["the cat sat on the mat, déjà vu"] * 4, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    ids = tok.encode("the mat sat; déjà vu 日本 the cat").ids
+    text = IncrementalText(tok.decode)
+    for token in ids:
+        text.push(token)
+    text.finish()
+    assert text.text == tok.decode(ids)
+
+
+def test_stop_matcher_searches_only_new_text_but_across_pushes():
+    matcher = StopMatcher(["\n\n", "END"])
+    assert not matcher.found("abc\n")
+    assert matcher.found("abc\n\n")
+    matcher = StopMatcher(["END"])
+    assert [matcher.found(t) for t in ("E", "EN", "ENx", "ENxE", "ENxEND")] == [False, False, False, False, True]
