@@ -129,7 +129,7 @@ def graph_checks(acc: Acceptance) -> None:
 def gpu_tests(acc: Acceptance) -> None:
     for name, cmd, env in (
             ("tests: GPU routing matrix", ["tests/test_gpu_routing_matrix.py"], {"TRITON_INTERPRET": "0"}),
-            ("tests: CUDA graph and generation", ["tests/test_cuda_graph.py", "tests/test_generation.py",
+            ("tests: CUDA graph and generation", ["tests/test_cuda_graph.py", "tests/test_generation.py", "tests/test_decode_paths.py",
                                                   "tests/test_routing_backend.py"], {})):
         rc, log, secs = acc.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *cmd], 300,
                                 f"{acc.work}/{name.split(':')[1].strip().replace(' ', '_')}.log", env)
