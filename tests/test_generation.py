@@ -97,11 +97,14 @@ def test_cached_decoding_equals_full_forward(name, heads, precision):
 
 def test_routing_is_far_from_uniform_in_the_cached_test():
     """The randomised fp32 models above route non-uniformly (else a cache bug in routing inputs could hide)."""
+    from mhar_lit.analysis import capture_sources
+    from mhar_lit.routing import routing_weights
+
     model = randomised_model("full", 8)
-    model.residual.record_weights = True
-    with torch.no_grad():
-        model(torch.tensor([prompts_and_continuations()[0][0]]))
-    weights = model.residual.recorded[2 * model.config.num_layers]  # final site [N, H]
+    final = 2 * model.config.num_layers
+    sources = capture_sources(model, torch.tensor([prompts_and_continuations()[0][0]]))[final]
+    r = model.residual
+    weights = routing_weights(sources, r.query[final], r.key_norm[final], r.heads, r.eps).mean((1, 2))  # [N, H]
     assert (weights.max(0).values > 2.0 / weights.shape[0]).any()
 
 

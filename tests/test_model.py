@@ -7,6 +7,7 @@ import torch
 
 from mhar_lit.config import ModelConfig
 from mhar_lit.models.decoder import DecoderLM
+from mhar_lit.routing import routing_weights
 from mhar_lit.residual import (
     BlockAttnRes,
     DeltaAttnRes,
@@ -363,6 +364,15 @@ def test_rms_norm_lean_backward_matches_plain_ops(dtype, weight_dtype):
     assert torch.autograd.gradcheck(lambda a, b: _RMSNormFunction.apply(a, b, 1e-6), (xs, ws))
 
 
+def _two_phase_twin(model):
+    """The same model (weights, dtype, checkpointing) with its block routing computed in two phases."""
+    options = {**model.residual.to_config()["init_args"], "two_phase": True}
+    twin = DecoderLM(model.config, BlockAttnRes(**options)).to(next(model.parameters()).dtype)
+    twin.load_state_dict(model.state_dict())
+    twin.activation_checkpointing = model.activation_checkpointing
+    return twin
+
+
 def _randomised(model, seed=7, query_std=1.0):
     """Random routing queries and key-norm weights (g != 1, so folding g into q is exercised)."""
     gen = torch.Generator().manual_seed(seed)
@@ -396,8 +406,7 @@ def test_two_phase_block_routing_equals_direct(dtype, tol, heads, layers_per_blo
     torch.manual_seed(0)
     direct = _randomised(DecoderLM(cfg, BlockAttnRes(heads=heads, layers_per_block=layers_per_block)),
                          query_std=0.25).to(dtype)
-    two = copy.deepcopy(direct)
-    two.residual.two_phase = True
+    two = _two_phase_twin(direct)
     x = ids(cfg)
     for name, a, b in zip(["logits"] + [n for n, _ in direct.named_parameters()],
                           _logits_and_grads(direct, x), _logits_and_grads(two, x)):
@@ -429,8 +438,7 @@ def _two_phase_and_direct_errors(seed, heads, layers_per_block, draws):
         x = ids(cfg, seed=seed + draw)
         ref = _logits_and_grads(exact, x)
         direct = copy.deepcopy(exact).float()
-        two = copy.deepcopy(direct)
-        two.residual.two_phase = True
+        two = _two_phase_twin(direct)
         errors.append([max(_max_rel(r, a.double()) for r, a in zip(ref, _logits_and_grads(m, x)))
                        for m in (direct, two)])
     return errors
@@ -445,29 +453,32 @@ def test_two_phase_bf16_within_the_direct_routings_rounding():
     x = ids(cfg)
     ref = exact(x)
     errs = {}
-    for two_phase in (False, True):
-        model = copy.deepcopy(exact).to(torch.bfloat16)
-        model.residual.two_phase = two_phase
+    direct = copy.deepcopy(exact).to(torch.bfloat16)
+    for two_phase, model in ((False, direct), (True, _two_phase_twin(direct))):
         errs[two_phase] = ((model(x).double() - ref).abs().max() / ref.abs().max()).item()
     assert errs[True] <= 1.5 * errs[False] + 1e-3, errs
 
 
-def test_two_phase_records_weights_and_survives_activation_checkpointing():
+def test_two_phase_routes_the_same_weights_and_survives_activation_checkpointing():
+    """With activation checkpointing (the sublayers recomputed in backward), the two-phase model gives the direct
+    one's logits, gradients and, at every site, routing weights (computed from the sources the site exposes)."""
     cfg = tiny()
     torch.manual_seed(0)
     direct = _randomised(DecoderLM(cfg, BlockAttnRes(heads=2, layers_per_block=2)))
-    two = copy.deepcopy(direct)
-    two.residual.two_phase = True
-    two.activation_checkpointing = True
+    direct.activation_checkpointing = True
+    two = _two_phase_twin(direct)
     x = ids(cfg)
-    for model in (direct, two):
-        model.residual.record_weights, model.residual.recorded = True, {}
+    weights = {False: {}, True: {}}
+    for two_phase, model in ((False, direct), (True, two)):
+        r = model.residual
+        r.source_observer = lambda site, sources, r=r, seen=weights[two_phase]: seen.setdefault(site, routing_weights(
+            sources, r.query[site].detach(), r.key_norm[site].detach(), r.heads, r.eps).mean((1, 2)))
     for name, a, b in zip(["logits"] + [n for n, _ in direct.named_parameters()],
                           _logits_and_grads(direct, x), _logits_and_grads(two, x)):
         assert _max_rel(a, b) <= 1e-5, (name, _max_rel(a, b))
-    assert direct.residual.recorded.keys() == two.residual.recorded.keys() == set(range(2 * cfg.num_layers + 1))
-    for site, weights in direct.residual.recorded.items():
-        torch.testing.assert_close(two.residual.recorded[site], weights)
+    assert weights[False].keys() == weights[True].keys() == set(range(2 * cfg.num_layers + 1))
+    for site, mean_weights in weights[False].items():
+        torch.testing.assert_close(weights[True][site], mean_weights)
 
 
 def test_two_phase_under_autocast_equals_direct():
