@@ -127,17 +127,16 @@ def test_tiling_and_repeats_change_nothing():
     base = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32)
     again = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(base, again))
-    # 1, 4 and all 15 tokens per program; the block pass with its own tile and two sites per step (the last
-    # block has 5 sites here: an odd count, so its final step has a site past the end)
-    configs = ((16, 1, 1, {}), (64, 2, 2, {}), (4096, 4, 2, {}), (4096, 0, 1, {}),
-               (64, 2, 1, dict(pass_tile_elements=16, pass_unroll=2)),
-               (16, 1, 2, dict(pass_tile_elements=4096, pass_warps=2, pass_unroll=2)),
-               (64, 2, 1, dict(stages=1)))  # loops not software-pipelined (the interpreter ignores stages)
-    for tile, warps, unroll, pass_knobs in configs:
+    # 1, 4 and all 15 tokens per program; the block pass with its own tile
+    configs = ((16, 1, {}), (64, 2, {}), (4096, 4, {}), (4096, 0, {}),
+               (64, 2, dict(pass_tile_elements=16)),
+               (16, 1, dict(pass_tile_elements=4096, pass_warps=2)),
+               (64, 2, dict(stages=1)))  # loops not software-pipelined (the interpreter ignores stages)
+    for tile, warps, pass_knobs in configs:
         got = block_mode_output_and_grads("triton", *problem, 3, 4, torch.float32, tile_elements=tile,
-                                          num_warps=warps, unroll=unroll, **pass_knobs)
+                                          num_warps=warps, **pass_knobs)
         for name, a, b in zip(NAMES, got, base):
-            assert rel(a, b) <= 1e-6, (f"tile {tile} unroll {unroll} {pass_knobs} {name}: {rel(a, b):.1e} "
+            assert rel(a, b) <= 1e-6, (f"tile {tile} warps {warps} {pass_knobs} {name}: {rel(a, b):.1e} "
                                        f"(seed {gen.initial_seed()})")
 
 
@@ -171,10 +170,8 @@ def test_order_and_input_errors_are_named():
         BlockRouting(x, q, q, 2, span=8)  # 4 layer sites
     with pytest.raises(ValueError, match="divisible"):
         BlockRouting(x, q, q, 3, span=2)
-    with pytest.raises(ValueError, match="unroll must be one of"):
-        BlockRouting(x, q, q, 2, span=2, config=dict(unroll=3))
-    with pytest.raises(ValueError, match="pass_unroll must be one of"):
-        BlockRouting(x, q, q, 2, span=2, config=dict(pass_unroll=4))
+    with pytest.raises(ValueError, match=r"unknown BlockRoutingConfig fields \['unroll'\]"):
+        BlockRouting(x, q, q, 2, span=2, config=dict(unroll=2))
     with pytest.raises(ValueError, match="pass_tile_elements"):
         BlockRouting(x, q, q, 2, span=2, config=dict(pass_tile_elements=-1))
     with pytest.raises(ValueError, match="stages must be"):
