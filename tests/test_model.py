@@ -80,7 +80,7 @@ def test_hyper_connections_equal_standard_at_init():
 
 
 def test_mhar_code_hc_variant_is_not_identity():
-    """The authors' HC variant (SPEC F.2) is, as documented, not the standard residual at init."""
+    """The authors' HC variant (docs/method.md F.2) is, as documented, not the standard residual at init."""
     cfg = tiny()
     base = DecoderLM(cfg).eval()
     model = same_weights(HyperConnections(dynamic=False, variant="mhar_code"), base, cfg).eval()
@@ -101,7 +101,7 @@ def test_delta_equals_standard_exactly_at_init(legacy):
 
 
 def test_delta_step0_gradients_follow_spec():
-    """At step 0 gates get gradient; queries, key norms and null sources get exactly zero (SPEC E)."""
+    """At step 0 gates get gradient; queries, key norms and null sources get exactly zero (docs/method.md E)."""
     cfg = tiny()
     model = DecoderLM(cfg, DeltaAttnRes(heads=4, layers_per_block=2))
     x = ids(cfg)
@@ -271,7 +271,8 @@ def test_mhar_parameter_count_identical_for_every_heads():
 
 
 def test_named_sizes_match_paper_parameter_counts():
-    """Total / non-embedding parameters of the standard model (SPEC A table, ~116M/38M, ~533M/377M, ~1.08B/885M)."""
+    """Total / non-embedding parameters of the standard model (docs/method.md A table, ~116M/38M, ~533M/377M,
+    ~1.08B/885M)."""
     expected = {"100M": (116e6, 38e6), "350M": (533e6, 377e6), "1B": (1.08e9, 885e6)}
     for name, (total, non_emb) in expected.items():
         with torch.device("meta"):
@@ -396,7 +397,7 @@ def _logits_and_grads(model, x):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("heads,layers_per_block", [(1, 1), (2, 2), (4, 4), (4, 1)])
 def test_two_phase_block_routing_equals_direct(dtype, tol, heads, layers_per_block):
-    """SPEC D: the two-phase computation equals the direct block routing (SPEC asks ~1e-5 in fp32); forward and
+    """docs/method.md D: the two-phase computation equals the direct block routing (~1e-5 in fp32); forward and
     every gradient, relative to the largest entry of each tensor. fp32 differs by summation order only.
 
     Queries of std 0.25 (softmaxes far from one-hot): 20 draws per case stay <= 4.5e-6. With std 1 the chain of
@@ -482,7 +483,7 @@ def test_two_phase_routes_the_same_weights_and_survives_activation_checkpointing
 
 
 def test_two_phase_under_autocast_equals_direct():
-    """bf16-mixed, at every site: autocast must not run the two-phase products in bf16 (SPEC: routing math in
+    """bf16-mixed, at every site: autocast must not run the two-phase products in bf16 (docs/method.md: routing math in
     fp32), and the fp32 embedding mixed with bf16 sublayer outputs must be promoted as the direct routing's stack
     does. The strategy is driven with fixed sublayer outputs (a whole model would add bf16 matmul roundings)."""
     cfg = tiny()
