@@ -296,7 +296,8 @@ def _chain_row(links: list[dict[str, Any]]) -> dict[str, Any]:
 
     last = links[-1]
     name = last["name"] + (f" (+{len(links) - 1} resumed)" if len(links) > 1 else "")
-    return {**{k: last[k] for k in ("method", "baseline", "seed", "lr", "settings", "status", "store", "checkpoint_dir")},
+    kept = ("method", "baseline", "seed", "lr", "settings", "status", "store", "checkpoint_dir")
+    return {**{k: last[k] for k in kept},
             "name": name, "runs": [r["run_id"] for r in links],
             "step": history[-1][0] if history else None,
             "final": history[-1][1] if history else math.nan,

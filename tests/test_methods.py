@@ -67,7 +67,8 @@ def test_the_block_overlay_gives_the_papers_partitions():
     leave a 1-layer last block, docs/method.md J6)."""
     block = ResidualStrategy.from_config(method("block-mhar").residual_config())
     depths = {size: ModelConfig.from_name(size).num_layers for size in PAPER_SIZES}
-    assert {size: block.resolve_block_layers(depth) for size, depth in depths.items()} == {"100M": 2, "350M": 3, "1B": 6}
+    layers = {size: block.resolve_block_layers(depth) for size, depth in depths.items()}
+    assert layers == {"100M": 2, "350M": 3, "1B": 6}
 
 
 def test_readme_and_docs_name_no_removed_recipe():

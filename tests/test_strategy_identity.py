@@ -99,8 +99,8 @@ def test_per_head_logit_scales_and_routing_lr_are_four_methods():
     arms = [FullAttnRes(heads=8), FullAttnRes(heads=8, logit_scale="sqrt_heads"),
             FullAttnRes(heads=8, logit_scale="heads"), FullAttnRes(heads=8, routing_lr_scale=8)]
     assert [a.method_label() for a in arms] == [
-        "FullAttnRes(heads=8)", "FullAttnRes(heads=8, logit_scale=sqrt_heads)", "FullAttnRes(heads=8, logit_scale=heads)",
-        "FullAttnRes(heads=8, routing_lr_scale=8.0)"]
+        "FullAttnRes(heads=8)", "FullAttnRes(heads=8, logit_scale=sqrt_heads)",
+        "FullAttnRes(heads=8, logit_scale=heads)", "FullAttnRes(heads=8, routing_lr_scale=8.0)"]
     assert len({json.dumps(a.identity(), sort_keys=True) for a in arms}) == 4
     # a number is one method however it is spelled
     assert FullAttnRes(heads=8, routing_lr_scale=8).identity() == FullAttnRes(heads=8, routing_lr_scale=8.0).identity()
