@@ -349,16 +349,9 @@ def test_text_stream_prints_complete_characters_and_holds_back_stop_prefixes():
 
 
 @pytest.fixture(scope="module")
-def trained_ckpt(tmp_path_factory):
-    """A tiny FullAttnRes model trained for 4 steps by the real `fit` command on configs/demo.yaml."""
-    from test_cli import _tiny_args
-
-    from mhar_lit.cli import build_cli
-
-    tmp = tmp_path_factory.mktemp("fit")
-    cli = build_cli(["fit", *_tiny_args(tmp, "--trainer.max_steps", "4", "--trainer.default_root_dir",
-                                        str(tmp / "runs"))])
-    return Path(cli.trainer.checkpoint_callback.last_model_path)
+def trained_ckpt(trained_demo_checkpoint):
+    """A tiny FullAttnRes model trained for 4 steps by the real `fit` command (conftest: built once per run)."""
+    return trained_demo_checkpoint
 
 
 def test_generate_help_lists_the_flags():
