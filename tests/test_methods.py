@@ -69,6 +69,8 @@ def test_the_block_overlay_gives_the_papers_partitions():
     depths = {size: ModelConfig.from_name(size).num_layers for size in PAPER_SIZES}
     layers = {size: block.resolve_block_layers(depth) for size, depth in depths.items()}
     assert layers == {"100M": 2, "350M": 3, "1B": 6}
+    with pytest.raises(RuntimeError, match="routes once bound to a model"):
+        block.router  # the block size is unknown before the depth is
 
 
 def test_readme_and_docs_name_no_removed_recipe():

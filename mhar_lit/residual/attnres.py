@@ -212,9 +212,13 @@ class BlockAttnRes(RoutedResidual):
         self.layers_per_block = layers_per_block
         self.num_blocks = num_blocks
         self.two_phase = two_phase
-        self.block_layers = layers_per_block  # resolved against the depth in build()
+        # layers per block; with num_blocks known only once build() sees the depth
+        self.block_layers = layers_per_block or (2 if num_blocks is None else None)
 
     def router_options(self) -> dict:
+        if self.block_layers is None:
+            raise RuntimeError("BlockAttnRes(num_blocks=...) routes once bound to a model: its block size depends "
+                               "on the depth")
         return {"span": 2 * self.block_layers, "two_phase": self.two_phase}
 
     def build(self, config: ModelConfig) -> None:
