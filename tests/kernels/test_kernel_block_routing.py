@@ -45,6 +45,7 @@ def test_fp32_matches_float64_reference(layers, span, heads, d, tokens):
 WIDE_DRAWS = 12
 
 
+@pytest.mark.slow
 def test_wide_head_fp32_error_is_torch_fp32_sized():
     """K = 96 (d 192, H 2, 7 sites) is an ill-conditioned chain: every fp32 evaluation is ~5e-6 off float64,
     and which one is luckier changes per draw by more than 2x. Over 30 draws torch fp32 with the features
@@ -77,6 +78,7 @@ def test_wide_head_fp32_error_is_torch_fp32_sized():
             f"(seed {gen.initial_seed()})")
 
 
+@pytest.mark.slow
 def test_float64_equals_reference_and_gradcheck():
     gen = fresh_generator()
     problem = block_mode_problem(3, 6, gen, b=1, t=2)
@@ -119,6 +121,7 @@ def test_split_w_parts():
         assert torch.equal(same, w) and a is same and b is same
 
 
+@pytest.mark.slow
 def test_tiling_and_repeats_change_nothing():
     """Token tiles regroup independent tokens (dq/dg come from a pass whose token blocks do not follow them):
     equal to fp32 rounding (a GPU's reductions may follow the tile); repeated runs are bitwise identical."""
