@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # ui-venv and browser let tests/test_mlflow_ui.py open a trained run in MLflow's UI in headless chromium.
+# The tests run on every core (pytest-xdist; work-stealing, since a few tests take minutes): the fast ones
+# first, so a broken change shows in a few minutes, then those marked slow. `pytest tests/X.py` runs one file.
+PYTEST := $(BIN)/python -m pytest -q -n auto --dist worksteal
 test: $(STAMP) ui-venv browser
-	$(BIN)/python -m pytest -q
+	$(PYTEST) -m "not slow"
+	$(PYTEST) -m slow
 
 demo: $(STAMP)
 	$(BIN)/python -m mhar_lit fit --config configs/demo.yaml

@@ -1,7 +1,7 @@
 """Block-mode routing benchmark: all 2L+1 routing sites of one microbatch (BlockAttnRes), forward + backward.
 
     python benchmarks/block_routing.py [--shapes 100M 350M 1B] [--variants torch torch_two_phase triton]
-                                       [--configs 4x2048x1 8x2048x1] [--graph] [--out benchmarks/results]
+                                       [--configs 4x2048 8x2048] [--graph] [--out benchmarks/results]
 
 The strategy object itself is driven (begin / sublayer_input / sublayer_output / final), with the sublayers
 replaced as in benchmarks/routing.py by precomputed outputs tied to the site outputs (_Tie), so the partial
@@ -9,7 +9,7 @@ sums, block boundaries and autograd order are the model's. Variants:
   torch           BlockAttnRes on the torch router: stacked sources, the eager PyTorch reference
   torch_two_phase BlockAttnRes(two_phase=True) on the torch router: docs/method.md D's two-phase computation
   triton          BlockAttnRes on the triton router: BlockRouting, one shared row buffer (--configs: its kernels'
-                  warps x tile elements x unroll)
+                  warps x tile elements)
 Every variant and config is first checked on the GPU against the fp32 reference (fp32 and bf16 storage, fewer
 tokens). Times: CUDA events after warm-up, medians (on a machine without CUDA: wall-clock medians of the torch
 variants, with --tokens to shrink the microbatch); --forward-only times the forward alone under no_grad (the
@@ -196,14 +196,14 @@ def pow2(x):
 
 
 def parse_config(text):
-    """'default' -> None; 'WxTILExUNROLL' -> num_warps, tile_elements, unroll; 'key=value,...' -> those
-    BlockRouting keywords (integers), e.g. 'pass_tile_elements=2048,pass_unroll=2'."""
+    """'default' -> None; 'WxTILE' -> num_warps, tile_elements; 'key=value,...' -> those BlockRouting keywords
+    (integers), e.g. 'pass_tile_elements=2048,pass_warps=4'."""
     if text == "default":
         return None
     if "=" in text:
         return parse_options(text, f"--configs {text}")
-    warps, tile, unroll = (int(x) for x in text.split("x"))
-    return dict(num_warps=warps, tile_elements=tile, unroll=unroll)
+    warps, tile = (int(x) for x in text.split("x"))
+    return dict(num_warps=warps, tile_elements=tile)
 
 
 def config_label(config):
@@ -216,9 +216,8 @@ def main():
     parser.add_argument("--variants", nargs="+", default=["torch", "torch_two_phase", "triton"],
                         choices=["torch", "torch_two_phase", "triton"])
     parser.add_argument("--configs", nargs="+", default=["default"],
-                        help="triton warps x tile elements x unroll: BlockRouting's num_warps (0: automatic), "
-                             "tile_elements, unroll; or key=value,... of any BlockRouting keywords; 'default': "
-                             "its defaults")
+                        help="triton warps x tile elements: BlockRouting's num_warps (0: automatic) and "
+                             "tile_elements; or key=value,... of any BlockRouting keywords; 'default': its defaults")
     parser.add_argument("--graph", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also per-kernel CUDA times of each triton config")
     parser.add_argument("--warmup", type=int, default=3)

@@ -12,8 +12,8 @@ two bf16 precisions (the first variant is the reference of the others)
     --variants bf16-true= fused=--model.fused_loss=true mixed=--trainer.precision=bf16-mixed \
                fused+mixed="--model.fused_loss=true --trainer.precision=bf16-mixed"
 
-Each fit is `python -m mhar_lit fit --config configs/paper/SIZE/METHOD.yaml` (a subprocess, as the user starts
-it) with a short `trainer.max_steps`, validation and checkpoints off, a throwaway MLflow store and root folder.
+Each fit is `python -m mhar_lit fit --config configs/paper/SIZE.yaml --config configs/methods/METHOD.yaml` (a
+subprocess, as the user starts it) with a short `trainer.max_steps`, validation and checkpoints off, a throwaway MLflow store and root folder.
 The methods of a size alternate within the run (baseline, mhar, block, baseline, mhar, ...), so that drift of
 the machine is shared by all of them. The shipped configs' corpus and tokenizer paths are placeholders; unless
 --keep-data, the fits read the embedded corpus with byte tokens (`--data.data null --data.tokenizer bytes`): the
@@ -59,7 +59,7 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's mhar_lit, for the FLOP count
-METHOD_FILES = {"baseline": "baseline.yaml", "mhar": "mhar.yaml", "block": "block-mhar.yaml"}
+METHOD_FILES = {"baseline": "baseline.yaml", "mhar": "mhar.yaml", "block": "block-mhar.yaml"}  # configs/methods/
 SIZES = ("100M", "350M", "1B")
 # capture/compilation (SpeedMonitor's 2 skipped steps) + 3 warm-up steps + the timed steps (10, and 7 at 1B, whose
 # steps take about twice as long: 16 eager micro-batches of 2 x 1024 against 8 of 8 x 2048 or 4 x 1024).
@@ -72,11 +72,12 @@ FAR = 10**9  # a step count no benchmark fit reaches: periodic checkpoints and r
 
 # ------------------------------------------------------------------ the fits
 
-def fit_command(config: str, max_steps: int, work: Path, cache_dir: Path, keep_data: bool, extra: list[str]) -> list[str]:
-    """The `python -m mhar_lit fit` command line of one benchmark fit (its own MLflow store and root folder in
-    `work`). Lightning refuses `trainer.enable_checkpointing false` next to the ModelCheckpoint the CLI always
+def fit_command(configs: list[str], max_steps: int, work: Path, cache_dir: Path, keep_data: bool,
+                extra: list[str]) -> list[str]:
+    """The `python -m mhar_lit fit` command line of one benchmark fit (the config files layered in order, its own
+    MLflow store and root folder in `work`). Lightning refuses `trainer.enable_checkpointing false` next to the ModelCheckpoint the CLI always
     adds, so checkpoints are pushed past max_steps and the final last.ckpt is switched off instead."""
-    cmd = [sys.executable, "-m", "mhar_lit", "fit", "--config", config,
+    cmd = [sys.executable, "-m", "mhar_lit", "fit", *(a for c in configs for a in ("--config", c)),
            "--trainer.max_steps", str(max_steps),
            "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
            "--trainer.enable_progress_bar", "false",
@@ -185,7 +186,7 @@ def max_steps_for(size: str, override: Optional[int]) -> int:
 # ------------------------------------------------------------------ shapes, FLOPs and the environment
 
 def resolved_config(label: dict, args) -> dict:
-    """The config the fit will run (the file plus this script's overrides, --extra and the variant's), from
+    """The config the fit will run (the files plus this script's overrides, --extra and the variant's), from
     LightningCLI's own --print_config: tokens per step and the model's shape follow whatever they change."""
     import yaml
 
@@ -195,7 +196,7 @@ def resolved_config(label: dict, args) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise SystemExit(f"{config}: --print_config failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        raise SystemExit(f"{' + '.join(config)}: --print_config failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return yaml.safe_load(done.stdout)
 
 
@@ -489,18 +490,20 @@ def parse_labels(args) -> list[dict]:
             name, sep, path = item.partition("=")
             if not sep or not name or not path:
                 raise SystemExit(f"--configs takes LABEL=PATH, got {item!r}")
-            labels += [{"name": name + suffix, "size": name, "method": name, "group": "configs", "config": path,
+            labels += [{"name": name + suffix, "size": name, "method": name, "group": "configs", "config": [path],
                         "variant": variant, "overrides": overrides} for variant, suffix, overrides in variants]
     else:
         unknown = sorted(set(args.methods) - set(METHOD_FILES))
         if unknown:
             raise SystemExit(f"unknown methods {unknown}; choose from {sorted(METHOD_FILES)}")
         labels = [{"name": f"{size}/{method}{suffix}", "size": size, "method": method, "group": size,
-                   "config": f"configs/paper/{size}/{METHOD_FILES[method]}", "variant": variant, "overrides": overrides}
+                   "config": [f"configs/paper/{size}.yaml", f"configs/methods/{METHOD_FILES[method]}"],
+                   "variant": variant, "overrides": overrides}
                   for size in args.sizes for variant, suffix, overrides in variants for method in args.methods]
     for label in labels:
-        if not (ROOT / label["config"]).is_file():
-            raise SystemExit(f"{label['name']}: config {label['config']} not found (paths are relative to {ROOT})")
+        for config in label["config"]:
+            if not (ROOT / config).is_file():
+                raise SystemExit(f"{label['name']}: config {config} not found (paths are relative to {ROOT})")
     return labels
 
 

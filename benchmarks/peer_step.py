@@ -8,7 +8,7 @@ Both models have our shapes: litgpt's `Config.from_name("Qwen3-0.6B")` with d, l
 width, FFN, vocabulary (151,936), RoPE base and norm eps set to ours, qk-norm on, and the embedding tied to the LM
 head as litgpt's pretrain does with `train.tie_embeddings` (the parameter counts are checked to be equal). Each
 step is what the trainer's own loop does, on the same random tokens at the shipped configs' micro-batch and
-sequence length (configs/paper/SIZE/baseline.yaml), parameters in bf16 ("bf16-true"; litgpt's pretrain defaults
+sequence length (configs/paper/SIZE.yaml), parameters in bf16 ("bf16-true"; litgpt's pretrain defaults
 to bf16-mixed), the same fused AdamW (lr 5e-4, betas 0.9/0.95, weight decay 0.1) and global-norm clipping at 1.0:
 - litgpt: `loss = chunked_cross_entropy(model(x), y)` (its pretrain loss: 128-token chunks of the bf16 logits),
   backward, clip, step, zero_grad. litgpt_compile: the same with `torch.compile(model)` (pretrain's default).
@@ -67,12 +67,12 @@ def import_litgpt():
 
 
 def shipped_shape(size: str) -> dict[str, Any]:
-    """Micro-batch, sequence length and model overrides of the shipped baseline recipe of a size."""
+    """Micro-batch, sequence length and model overrides of the shipped recipe of a size."""
     if size == "tiny":
         return dict(TINY_SHAPE)
     import yaml
 
-    path = ROOT / "configs" / "paper" / size / "baseline.yaml"
+    path = ROOT / "configs" / "paper" / f"{size}.yaml"
     if not path.is_file():
         raise SystemExit(f"no shipped config for size {size!r} ({path}); sizes: 100M, 350M, 1B, tiny")
     config = yaml.safe_load(path.read_text())

@@ -8,7 +8,7 @@ Per (size, method): bf16 parameters and compute (the paper's bf16-true), the pap
 first, then CUDA-event timing of each step, the methods of a size interleaved in rounds (see time_size);
 reports median ms/step, tokens/s, peak memory and the ratio to our baseline measured in the same process.
 "hf" is transformers' Qwen3ForCausalLM of the same shape. A method may carry routing-class keywords, e.g.
-"block:pass_tile_elements=2048,pass_unroll=2", to time configs against the same baseline in one run.
+"block:pass_tile_elements=2048,pass_warps=4", to time configs against the same baseline in one run.
 Writes JSON (device, versions, date, command) and prints a table last.
 """
 
@@ -39,7 +39,7 @@ BLOCK_LAYERS = {"100M": 2, "350M": 3, "1B": 6}  # 6, 8 and 6 blocks (the paper's
 
 
 def parse_method(method: str) -> tuple[str, dict]:
-    """"block:pass_tile_elements=2048,pass_unroll=2" -> ("block", {...}): a method with routing-class keywords
+    """"block:pass_tile_elements=2048,pass_warps=4" -> ("block", {...}): a method with routing-class keywords
     (integers), so that configs of one method are timed in the same run against the same baseline."""
     name, _, text = method.partition(":")
     return name, parse_options(text, f"method {method!r}")

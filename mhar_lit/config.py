@@ -9,6 +9,22 @@ from typing import Any, Optional
 QWEN3_VOCAB = 151_936
 LLAMA3_VOCAB = 128_256
 
+# ModelConfig field -> the transformers config.json key of the same quantity: the one map behind conversion from
+# and to Llama / Qwen3 (mhar_lit.convert.hf_config) and the export's own config.json (mhar_lit.export). RoPE and
+# qk_norm are spelled differently per family and handled there.
+TRANSFORMERS_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "intermediate_size": "intermediate_size",
+    "head_dim": "head_dim",
+    "rms_norm_eps": "rms_norm_eps",
+    "max_position_embeddings": "max_position_embeddings",
+    "tie_embeddings": "tie_word_embeddings",
+}
+
 
 @dataclass
 class ModelConfig:
@@ -60,6 +76,10 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def transformers_fields(self) -> dict[str, Any]:
+        """The fields of TRANSFORMERS_KEYS under their transformers names."""
+        return {theirs: getattr(self, ours) for ours, theirs in TRANSFORMERS_KEYS.items()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":

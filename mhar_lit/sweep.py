@@ -34,10 +34,8 @@ import sys
 from typing import Any, Optional
 
 from mhar_lit.errors import UserError, exits_on_user_error
-from mhar_lit.tracking import (DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI, check_store_schema, local_store_path,
-                               reap_dead_runs)
-
-BASELINE_METHOD = "StandardResidual"
+from mhar_lit.tracking import (DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI, check_store_schema,
+                               is_standard_residual_run, local_store_path, reap_dead_runs)
 
 
 def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
@@ -248,6 +246,7 @@ def _run_row(client: Any, tracking_uri: str, run: Any) -> dict[str, Any]:
         "resumed_from": tags.get("resumed_from_run"),
         "checkpoint_dir": tags.get("checkpoint_dir"),
         "method": tags.get("method", "?"),
+        "baseline": is_standard_residual_run(tags),
         "seed": tags.get("seed", "?"),
         "lr": run.data.params.get("lr", "?"),
         "settings": dict(run.data.params),
@@ -297,7 +296,8 @@ def _chain_row(links: list[dict[str, Any]]) -> dict[str, Any]:
 
     last = links[-1]
     name = last["name"] + (f" (+{len(links) - 1} resumed)" if len(links) > 1 else "")
-    return {**{k: last[k] for k in ("method", "seed", "lr", "settings", "status", "store", "checkpoint_dir")},
+    kept = ("method", "baseline", "seed", "lr", "settings", "status", "store", "checkpoint_dir")
+    return {**{k: last[k] for k in kept},
             "name": name, "runs": [r["run_id"] for r in links],
             "step": history[-1][0] if history else None,
             "final": history[-1][1] if history else math.nan,
@@ -321,11 +321,16 @@ def check_duplicates(chains: list[dict[str, Any]]) -> None:
         seen[key] = c
 
 
+def is_baseline(row: dict[str, Any]) -> bool:
+    """A row of the standard residual (read from its run's tags; a row built by hand says so by its label)."""
+    return row["baseline"] if "baseline" in row else is_standard_residual_run({"method": row["method"]})
+
+
 def add_paired_deltas(rows: list[dict[str, Any]], metric: str) -> None:
     """Paired means same seed AND same learning rate, both runs finished; any other row gets no delta (NaN)."""
     baselines: dict[tuple, dict[str, Any]] = {}
     for r in rows:
-        if not r["method"].startswith(BASELINE_METHOD) or not finished(r):
+        if not is_baseline(r) or not finished(r):
             continue
         key = (r["seed"], r["lr"])
         if key in baselines:  # pairing against an arbitrary one of them would be silently wrong
@@ -394,7 +399,7 @@ def format_table(rows: list[dict[str, Any]], summary: list[dict[str, Any]], metr
         lines.append(f"  {unfinished} unfinished run(s) are shown but left out of the means and deltas;")
     lines += ["final: the last validation loss; tail: the mean validation loss over the last k validations "
               "(model.tail_k);",
-              f"delta: this run's {metric} minus that of the {BASELINE_METHOD} run of the same seed and lr "
+              f"delta: this run's {metric} minus that of the standard-residual run of the same seed and lr "
               "(- when there is none);",
               "+- std: the spread of a method's deltas over its paired runs (- with fewer than two)."]
     return "\n".join(lines)

@@ -41,9 +41,18 @@ def local_store_path(tracking_uri: str) -> Optional[str]:
     return tracking_uri
 
 
-def method_label(residual: Any) -> str:
-    """How a run's method is named in tags and `compare` tables: the strategy's own `method_label()`."""
-    return residual.method_label()
+def method_tags(residual: Any) -> dict[str, str]:
+    """What a run's strategy says about itself, as the tags `compare` reads: `method` (its `method_label()`, the
+    grouping key) and `standard_residual` ("true" for the baseline every run is paired against)."""
+    return {"method": residual.method_label(), "standard_residual": str(residual.is_standard_residual).lower()}
+
+
+def is_standard_residual_run(tags: dict[str, str]) -> bool:
+    """Whether a run's tags mark the standard residual; runs logged before the `standard_residual` tag
+    existed carry only the label, whose form for the standard residual has not changed."""
+    if "standard_residual" in tags:
+        return tags["standard_residual"] == "true"
+    return tags.get("method") == "StandardResidual"
 
 
 def run_name_method(class_path: Optional[str]) -> str:
@@ -67,11 +76,11 @@ def trainer_params(trainer: Any) -> dict[str, Any]:
 
 
 def tag_run(trainer: Any, residual: Any, size: str, seed: Optional[str]) -> None:
-    """Sets the method / seed / size tags that `compare` groups by and logs the trainer settings as params
+    """Sets the method / standard_residual / seed / size tags that `compare` groups by and logs the trainer settings as params
     (MLflow loggers only). Through the package's logger they wait for the run to open (its first write)."""
     from lightning.pytorch.loggers import MLFlowLogger
 
-    tags = {"method": method_label(residual), "seed": seed or "?", "size": size}
+    tags = {**method_tags(residual), "seed": seed or "?", "size": size}
     for logger in trainer.loggers:
         if isinstance(logger, MLFlowLogger) and trainer.is_global_zero:
             if hasattr(logger, "set_tags"):

@@ -3,14 +3,24 @@
 Triton kernels run on CPU tensors through Triton's interpreter in the tests. Triton reads
 TRITON_INTERPRET when @triton.jit decorates a function, so it must be set before any test module
 imports mhar_lit.kernels (pytest may collect top-level test files before tests/kernels/).
+
+`make test` runs the suite on every core through pytest-xdist: each worker then gets its share of the cores
+for torch's threads (set before torch is imported, and inherited by the processes tests start), so that the
+workers do not oversubscribe the machine.
 """
 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # TRITON_INTERPRET=0 keeps compiled kernels (the GPU matrix test)
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _XDIST_WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
 
-
+import contextlib  # noqa: E402
 import random  # noqa: E402
+import shutil  # noqa: E402
+import sqlite3  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -27,3 +37,74 @@ def _seeded_global_rngs():
     np.random.seed(seed)
     torch.manual_seed(seed)
     yield
+
+
+# ---------------------------------------------------------------------------------------------- shared across workers
+def _run_root(tmp_path_factory) -> Path:
+    """A folder of this test run shared by all xdist workers (each worker's own base folder otherwise)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def _built_once(tmp_path_factory, name: str):
+    """(folder, done): `done` is False for the one process of the run that must build `folder`; the others wait
+    for it (a file lock) and find it built."""
+    from filelock import FileLock
+
+    root = _run_root(tmp_path_factory)
+    folder, marker = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        done = marker.is_file()
+        folder.mkdir(exist_ok=True)
+        yield folder, done
+        marker.touch()
+
+
+@pytest.fixture(scope="session")
+def trained_demo_checkpoint(tmp_path_factory) -> Path:
+    """last.ckpt of a tiny FullAttnRes (H = 4) model trained for 4 steps by the real `fit` on configs/demo.yaml
+    (test_cli._tiny_args: its corpus, byte tokens), built once per test run and shared by every worker. Read it;
+    write nothing beside it."""
+    with _built_once(tmp_path_factory, "trained_demo") as (folder, done):
+        record = folder / "checkpoint_path.txt"
+        if not done:
+            from test_cli import _tiny_args
+
+            from mhar_lit.cli import build_cli
+
+            cli = build_cli(["fit", *_tiny_args(folder, "--trainer.max_steps", "4", "--trainer.default_root_dir",
+                                                str(folder / "runs"))])
+            record.write_text(cli.trainer.checkpoint_callback.last_model_path)
+    return Path(record.read_text())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _new_mlflow_stores_from_a_template(tmp_path_factory):
+    """A new sqlite MLflow store opened in a test process starts as a copy of one store that MLflow created and
+    migrated once per test run, instead of running MLflow's schema migrations again (5-10 s each on 2 cores).
+    The copy is the same file MLflow would have written, with its default experiment's artifact location set as
+    MLflow sets it; stores that already exist, and stores created by the processes tests start, are untouched."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    from mlflow.tracking import MlflowClient
+
+    with _built_once(tmp_path_factory, "mlflow_template") as (folder, done):
+        template = folder / "mlflow.db"
+        if not done:
+            MlflowClient(f"sqlite:///{template}").search_experiments(max_results=1)
+    original_init = SqlAlchemyStore.__init__
+
+    def init_from_template(self, db_uri, default_artifact_root, *args, **kwargs):
+        path = Path(db_uri[len("sqlite:///"):].split("?")[0]) if db_uri.startswith("sqlite:///") else None
+        copied = path is not None and not path.exists() and path.parent.is_dir()
+        if copied:
+            shutil.copyfile(template, path)
+        original_init(self, db_uri, default_artifact_root, *args, **kwargs)
+        if copied:
+            with contextlib.closing(sqlite3.connect(path)) as db, db:
+                db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
+                           (self._get_artifact_location(0),))
+
+    SqlAlchemyStore.__init__ = init_from_template
+    yield
+    SqlAlchemyStore.__init__ = original_init

@@ -283,6 +283,7 @@ def test_missing_tokenizer_and_data_paths_are_named(tmp_path, monkeypatch):
     assert not (tmp_path / "data_cache").exists() or not any((tmp_path / "data_cache").glob("tokens-*"))
 
 
+@pytest.mark.slow
 def test_sweep_and_compare(tmp_path):
     """`sweep` runs the grid as separate MLflow runs with one sweep id; `compare` pairs them by seed."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -388,6 +389,7 @@ def test_tool_flags_share_the_underscore_spelling_and_keep_the_hyphenated_one(ca
             assert re.search(rf"{flag}( {flag[2:].upper()})?, {alias}", out), (command, flag)
 
 
+@pytest.mark.slow
 def test_a_user_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
     base = ["validate", "--config", str(REPO / "configs/demo.yaml"), "--trainer.logger", "false"]
     plain = _run_module(*base, cwd=tmp_path)

@@ -17,6 +17,7 @@ def _run(args, cwd):
     assert done.returncode == 0, done.stderr[-4000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residual", ["mhar", "delta"])
 def test_ddp_two_processes_reproduce_single_process_losses(tmp_path, residual):
     """2-rank DDP (gloo) over the same global batches: the mean of the ranks' losses equals the single-process
@@ -34,6 +35,7 @@ def test_ddp_two_processes_reproduce_single_process_losses(tmp_path, residual):
     assert single[-1]["loss"] != single[0]["loss"]  # the steps really trained
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["standard", "hc", "mhar", "block", "delta", "mhar-triton", "delta-triton"])
 def test_fsdp_sharding_gives_unsharded_gradients(tmp_path, strategy):
     """FSDP2 full sharding (every layer and the root, parameters resharded after forward) over 2 CPU ranks:

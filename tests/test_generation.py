@@ -97,11 +97,14 @@ def test_cached_decoding_equals_full_forward(name, heads, precision):
 
 def test_routing_is_far_from_uniform_in_the_cached_test():
     """The randomised fp32 models above route non-uniformly (else a cache bug in routing inputs could hide)."""
+    from mhar_lit.analysis import capture_sources
+    from mhar_lit.routing import routing_weights
+
     model = randomised_model("full", 8)
-    model.residual.record_weights = True
-    with torch.no_grad():
-        model(torch.tensor([prompts_and_continuations()[0][0]]))
-    weights = model.residual.recorded[2 * model.config.num_layers]  # final site [N, H]
+    final = 2 * model.config.num_layers
+    sources = capture_sources(model, torch.tensor([prompts_and_continuations()[0][0]]))[final]
+    r = model.residual
+    weights = routing_weights(sources, r.query[final], r.key_norm[final], r.heads, r.eps).mean((1, 2))  # [N, H]
     assert (weights.max(0).values > 2.0 / weights.shape[0]).any()
 
 
@@ -334,16 +337,9 @@ def test_text_stream_prints_complete_characters_and_holds_back_stop_prefixes():
 
 
 @pytest.fixture(scope="module")
-def trained_ckpt(tmp_path_factory):
-    """A tiny FullAttnRes model trained for 4 steps by the real `fit` command on configs/demo.yaml."""
-    from test_cli import _tiny_args
-
-    from mhar_lit.cli import build_cli
-
-    tmp = tmp_path_factory.mktemp("fit")
-    cli = build_cli(["fit", *_tiny_args(tmp, "--trainer.max_steps", "4", "--trainer.default_root_dir",
-                                        str(tmp / "runs"))])
-    return Path(cli.trainer.checkpoint_callback.last_model_path)
+def trained_ckpt(trained_demo_checkpoint):
+    """A tiny FullAttnRes model trained for 4 steps by the real `fit` command (conftest: built once per run)."""
+    return trained_demo_checkpoint
 
 
 def test_generate_help_lists_the_flags():

@@ -160,8 +160,9 @@ def test_triton_tuning_knobs_do_not_change_checkpoint_identity():
     block = BlockAttnRes(heads=4, layers_per_block=2)
     block.set_routing_backend("triton", {"num_warps": 4})
     a, b = block.identity(), BlockAttnRes(heads=4, layers_per_block=2, two_phase=True).identity()
-    assert a == b and a["init_args"] == {"heads": 4, "layers_per_block": 2, "random_query_init": False, "eps": 1e-6,
-                                         "logit_scale": None}
+    assert a == b and a["init_args"] == {"heads": 4, "layers_per_block": 2, "num_blocks": None,
+                                         "random_query_init": False, "eps": 1e-6, "logit_scale": None,
+                                         "routing_lr_scale": 1.0}
 
 
 def test_compare_pairs_only_same_seed_and_lr():

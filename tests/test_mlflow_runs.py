@@ -24,6 +24,7 @@ logger.finalize("success")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attempt", range(3))
 def test_two_processes_opening_a_fresh_sqlite_store_at_once_both_succeed(tmp_path, attempt):
     """Without the lock both ran MLflow's table creation and migrations on the empty file: `table already
@@ -62,6 +63,7 @@ def test_a_half_migrated_store_is_named_with_its_repair(tmp_path):
         prepare_store(uri)
 
 
+@pytest.mark.slow
 def test_ddp_on_cpu_with_a_fresh_sqlite_store_makes_one_run(tmp_path):
     """torchrun, 2 ranks (gloo): only rank zero opens the store (Lightning's logger built an MLflow client, which
     opens and creates the store, on every rank)."""

@@ -7,6 +7,7 @@ import torch
 
 from mhar_lit.config import ModelConfig
 from mhar_lit.models.decoder import DecoderLM
+from mhar_lit.routing import routing_weights
 from mhar_lit.residual import (
     BlockAttnRes,
     DeltaAttnRes,
@@ -79,7 +80,7 @@ def test_hyper_connections_equal_standard_at_init():
 
 
 def test_mhar_code_hc_variant_is_not_identity():
-    """The authors' HC variant (SPEC F.2) is, as documented, not the standard residual at init."""
+    """The authors' HC variant (docs/method.md F.2) is, as documented, not the standard residual at init."""
     cfg = tiny()
     base = DecoderLM(cfg).eval()
     model = same_weights(HyperConnections(dynamic=False, variant="mhar_code"), base, cfg).eval()
@@ -100,7 +101,7 @@ def test_delta_equals_standard_exactly_at_init(legacy):
 
 
 def test_delta_step0_gradients_follow_spec():
-    """At step 0 gates get gradient; queries, key norms and null sources get exactly zero (SPEC E)."""
+    """At step 0 gates get gradient; queries, key norms and null sources get exactly zero (docs/method.md E)."""
     cfg = tiny()
     model = DecoderLM(cfg, DeltaAttnRes(heads=4, layers_per_block=2))
     x = ids(cfg)
@@ -270,7 +271,8 @@ def test_mhar_parameter_count_identical_for_every_heads():
 
 
 def test_named_sizes_match_paper_parameter_counts():
-    """Total / non-embedding parameters of the standard model (SPEC A table, ~116M/38M, ~533M/377M, ~1.08B/885M)."""
+    """Total / non-embedding parameters of the standard model (docs/method.md A table, ~116M/38M, ~533M/377M,
+    ~1.08B/885M)."""
     expected = {"100M": (116e6, 38e6), "350M": (533e6, 377e6), "1B": (1.08e9, 885e6)}
     for name, (total, non_emb) in expected.items():
         with torch.device("meta"):
@@ -363,6 +365,15 @@ def test_rms_norm_lean_backward_matches_plain_ops(dtype, weight_dtype):
     assert torch.autograd.gradcheck(lambda a, b: _RMSNormFunction.apply(a, b, 1e-6), (xs, ws))
 
 
+def _two_phase_twin(model):
+    """The same model (weights, dtype, checkpointing) with its block routing computed in two phases."""
+    options = {**model.residual.to_config()["init_args"], "two_phase": True}
+    twin = DecoderLM(model.config, BlockAttnRes(**options)).to(next(model.parameters()).dtype)
+    twin.load_state_dict(model.state_dict())
+    twin.activation_checkpointing = model.activation_checkpointing
+    return twin
+
+
 def _randomised(model, seed=7, query_std=1.0):
     """Random routing queries and key-norm weights (g != 1, so folding g into q is exercised)."""
     gen = torch.Generator().manual_seed(seed)
@@ -386,7 +397,7 @@ def _logits_and_grads(model, x):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("heads,layers_per_block", [(1, 1), (2, 2), (4, 4), (4, 1)])
 def test_two_phase_block_routing_equals_direct(dtype, tol, heads, layers_per_block):
-    """SPEC D: the two-phase computation equals the direct block routing (SPEC asks ~1e-5 in fp32); forward and
+    """docs/method.md D: the two-phase computation equals the direct block routing (~1e-5 in fp32); forward and
     every gradient, relative to the largest entry of each tensor. fp32 differs by summation order only.
 
     Queries of std 0.25 (softmaxes far from one-hot): 20 draws per case stay <= 4.5e-6. With std 1 the chain of
@@ -396,8 +407,7 @@ def test_two_phase_block_routing_equals_direct(dtype, tol, heads, layers_per_blo
     torch.manual_seed(0)
     direct = _randomised(DecoderLM(cfg, BlockAttnRes(heads=heads, layers_per_block=layers_per_block)),
                          query_std=0.25).to(dtype)
-    two = copy.deepcopy(direct)
-    two.residual.two_phase = True
+    two = _two_phase_twin(direct)
     x = ids(cfg)
     for name, a, b in zip(["logits"] + [n for n, _ in direct.named_parameters()],
                           _logits_and_grads(direct, x), _logits_and_grads(two, x)):
@@ -429,8 +439,7 @@ def _two_phase_and_direct_errors(seed, heads, layers_per_block, draws):
         x = ids(cfg, seed=seed + draw)
         ref = _logits_and_grads(exact, x)
         direct = copy.deepcopy(exact).float()
-        two = copy.deepcopy(direct)
-        two.residual.two_phase = True
+        two = _two_phase_twin(direct)
         errors.append([max(_max_rel(r, a.double()) for r, a in zip(ref, _logits_and_grads(m, x)))
                        for m in (direct, two)])
     return errors
@@ -445,33 +454,36 @@ def test_two_phase_bf16_within_the_direct_routings_rounding():
     x = ids(cfg)
     ref = exact(x)
     errs = {}
-    for two_phase in (False, True):
-        model = copy.deepcopy(exact).to(torch.bfloat16)
-        model.residual.two_phase = two_phase
+    direct = copy.deepcopy(exact).to(torch.bfloat16)
+    for two_phase, model in ((False, direct), (True, _two_phase_twin(direct))):
         errs[two_phase] = ((model(x).double() - ref).abs().max() / ref.abs().max()).item()
     assert errs[True] <= 1.5 * errs[False] + 1e-3, errs
 
 
-def test_two_phase_records_weights_and_survives_activation_checkpointing():
+def test_two_phase_routes_the_same_weights_and_survives_activation_checkpointing():
+    """With activation checkpointing (the sublayers recomputed in backward), the two-phase model gives the direct
+    one's logits, gradients and, at every site, routing weights (computed from the sources the site exposes)."""
     cfg = tiny()
     torch.manual_seed(0)
     direct = _randomised(DecoderLM(cfg, BlockAttnRes(heads=2, layers_per_block=2)))
-    two = copy.deepcopy(direct)
-    two.residual.two_phase = True
-    two.activation_checkpointing = True
+    direct.activation_checkpointing = True
+    two = _two_phase_twin(direct)
     x = ids(cfg)
-    for model in (direct, two):
-        model.residual.record_weights, model.residual.recorded = True, {}
+    weights = {False: {}, True: {}}
+    for two_phase, model in ((False, direct), (True, two)):
+        r = model.residual
+        r.source_observer = lambda site, sources, r=r, seen=weights[two_phase]: seen.setdefault(site, routing_weights(
+            sources, r.query[site].detach(), r.key_norm[site].detach(), r.heads, r.eps).mean((1, 2)))
     for name, a, b in zip(["logits"] + [n for n, _ in direct.named_parameters()],
                           _logits_and_grads(direct, x), _logits_and_grads(two, x)):
         assert _max_rel(a, b) <= 1e-5, (name, _max_rel(a, b))
-    assert direct.residual.recorded.keys() == two.residual.recorded.keys() == set(range(2 * cfg.num_layers + 1))
-    for site, weights in direct.residual.recorded.items():
-        torch.testing.assert_close(two.residual.recorded[site], weights)
+    assert weights[False].keys() == weights[True].keys() == set(range(2 * cfg.num_layers + 1))
+    for site, mean_weights in weights[False].items():
+        torch.testing.assert_close(weights[True][site], mean_weights)
 
 
 def test_two_phase_under_autocast_equals_direct():
-    """bf16-mixed, at every site: autocast must not run the two-phase products in bf16 (SPEC: routing math in
+    """bf16-mixed, at every site: autocast must not run the two-phase products in bf16 (docs/method.md: routing math in
     fp32), and the fp32 embedding mixed with bf16 sublayer outputs must be promoted as the direct routing's stack
     does. The strategy is driven with fixed sublayer outputs (a whole model would add bf16 matmul roundings)."""
     cfg = tiny()

@@ -310,14 +310,8 @@ def test_capture_sees_what_each_full_site_routes_and_leaves_the_forward_unchange
     for site in range(5):
         torch.testing.assert_close(captured[site][0], embedding)
     torch.testing.assert_close(captured[4][:4], captured[3])  # full mode: sources only accumulate
-    # The captured sources give exactly the weights the strategy's own recording hook sees.
-    residual = model.residual
-    residual.record_weights, residual.recorded = True, {}
     with torch.no_grad():
         torch.testing.assert_close(model(ids), reference, rtol=0, atol=0)
-    for site, recorded in residual.recorded.items():
-        ours = routing_weights(captured[site], residual.query[site], residual.key_norm[site], 4).mean((1, 2))
-        torch.testing.assert_close(ours, recorded)
 
 
 @pytest.mark.parametrize("residual, size, counts", [

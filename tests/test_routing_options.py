@@ -1,8 +1,8 @@
 """The two options beyond the paper that let per-head routing learn at the single-head rate (docs/method.md
 "Beyond the paper: routing learning rate"): RoutedResidual(logit_scale=...) and
-LanguageModel(routing_lr_scale=...). Off by default, where they must leave the computation bit for bit as it was."""
+RoutedResidual(routing_lr_scale=...), which LanguageModel's optimiser reads. Off by default, where they must leave
+the computation bit for bit as it was."""
 
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -103,15 +103,14 @@ def test_logit_scale_multiplies_every_sites_logits(setting, factor):
         tol = 1e-12 if factor in (2.0, 4.0) else 1e-5
         torch.testing.assert_close(routing_logits(sources.double(), eff, g, r.heads, r.eps), factor * unscaled,
                                    rtol=tol, atol=tol)
-    # the monitor's record() uses the same effective query as the router
-    r.record_weights = True
-    with torch.no_grad():
-        scaled(IDS)
-    r.record_weights = False
+    # the routing monitor computes its weights with the same effective query as the router
+    from mhar_lit.lit.callbacks import collect_routing
+
     site, sources = 3, captured[3]
     expected = routing_weights(sources.double(), r.effective_query()[site].detach().double(),
                                r.key_norm[site].detach().double(), r.heads, r.eps).mean(dim=(1, 2)).float()
-    torch.testing.assert_close(r.recorded[site], expected, rtol=1e-5, atol=1e-6)
+    monitored = collect_routing(SimpleNamespace(model=scaled), IDS)[site].mean_weights_NH
+    torch.testing.assert_close(monitored, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_block_mode_takes_logit_scale_and_bad_values_are_refused():
@@ -123,10 +122,10 @@ def test_block_mode_takes_logit_scale_and_bad_values_are_refused():
 
 
 # ---------------------------------------------------------------- routing_lr_scale
-def _module(seed=0, **options):
+def _module(seed=0, routing_lr_scale=1.0, **options):
     torch.manual_seed(seed)
-    return LanguageModel(size="tiny", residual=FullAttnRes(heads=4), lr=1e-3, warmup_steps=1, decay_steps=10,
-                         **options)
+    return LanguageModel(size="tiny", residual=FullAttnRes(heads=4, routing_lr_scale=routing_lr_scale), lr=1e-3,
+                         warmup_steps=1, decay_steps=10, **options)
 
 
 def _train(module, steps=2):
@@ -184,31 +183,34 @@ def test_routing_lr_scale_moves_the_queries_that_much_faster():
             assert torch.equal(a, b), name
 
 
-def test_routing_lr_scale_needs_queries_and_a_positive_value():
-    with pytest.raises(ValueError, match="model.routing_lr_scale must be > 0"):
-        LanguageModel(size="tiny", routing_lr_scale=0.0)
-    module = LanguageModel(size="tiny", residual=StandardResidual(), decay_steps=10, routing_lr_scale=2.0)
-    with pytest.raises(ValueError, match="routing_lr_scale 2.0 needs a strategy with routing queries"):
+def test_routing_lr_scale_needs_trainable_queries_and_a_positive_value():
+    for bad in (0.0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="routing_lr_scale must be a positive number"):
+            FullAttnRes(heads=4, routing_lr_scale=bad)
+    with pytest.raises(TypeError):  # a strategy without routing does not take the option (the CLI refuses it too)
+        StandardResidual(routing_lr_scale=2.0)
+    module = _module(routing_lr_scale=2.0)
+    module.model.residual.query.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"routing_lr_scale 2.0: FullAttnRes\(heads=4, routing_lr_scale=2.0\) has no "
+                                         "trainable routing parameters"):
         module.configure_optimizers()
 
 
-def _resume_check(module, saved_hparams):
-    module._trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"))
-    try:
-        module._check_optimizer_settings(saved_hparams)
-    finally:
-        module._trainer = None
+def _checkpoint_of(module):
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(checkpoint)
+    return checkpoint
 
 
 def test_a_changed_routing_lr_scale_is_refused_on_resume():
-    """Like a changed lr: the optimizer state would restore the checkpoint's groups and lrs (or fail on their
-    number). A checkpoint written before the option existed trained with 1.0."""
-    saved = dict(_module(routing_lr_scale=8.0).hparams)
-    with pytest.raises(ValueError, match="routing_lr_scale: checkpoint 8.0, this run 4.0"):
-        _resume_check(_module(routing_lr_scale=4.0), saved)
-    _resume_check(_module(routing_lr_scale=8.0), saved)  # same: fine
-    older = {k: v for k, v in dict(_module().hparams).items() if k != "routing_lr_scale"}
-    _resume_check(_module(), older)
-    with pytest.raises(ValueError, match="routing_lr_scale: checkpoint 1.0, this run 8.0"):
-        _resume_check(_module(routing_lr_scale=8.0), older)
-    assert math.isclose(saved["routing_lr_scale"], 8.0)
+    """Part of the strategy's identity: the optimizer state would restore the checkpoint's groups and lrs (or fail
+    on their number). A checkpoint written before the option existed trained with 1.0."""
+    saved = _checkpoint_of(_module(routing_lr_scale=8.0))
+    with pytest.raises(ValueError, match="checkpoint residual does not match this run"):
+        _module(routing_lr_scale=4.0).on_load_checkpoint(saved)
+    _module(routing_lr_scale=8.0).on_load_checkpoint(saved)  # same: fine
+    older = _checkpoint_of(_module())
+    del older["mhar_lit"]["residual"]["init_args"]["routing_lr_scale"]
+    _module().on_load_checkpoint(older)
+    with pytest.raises(ValueError, match="checkpoint residual does not match this run"):
+        _module(routing_lr_scale=8.0).on_load_checkpoint(older)

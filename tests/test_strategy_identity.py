@@ -20,21 +20,110 @@ from mhar_lit.residual import (
     ResidualStrategy,
     StandardResidual,
 )
-from mhar_lit.residual.base import ALLOWED_PACKAGES
+from mhar_lit.residual.base import ALLOWED_PACKAGES, init_parameters
 
 CASES = [
     (StandardResidual, {}, "StandardResidual"),
     (HyperConnections, {"streams": 2}, "HyperConnections(streams=2, dynamic=True, variant=zhu)"),
     (HyperConnections, {"streams": 3, "dynamic": False, "variant": "mhar_code"},
      "HyperConnections(streams=3, dynamic=False, variant=mhar_code)"),
-    (FullAttnRes, {"heads": 2, "random_query_init": True}, "FullAttnRes(heads=2)"),
-    (FullAttnRes, {"heads": 1, "eps": 1e-5}, "FullAttnRes(heads=1)"),
+    (FullAttnRes, {"heads": 2, "random_query_init": True}, "FullAttnRes(heads=2, random_query_init=True)"),
+    (FullAttnRes, {"heads": 1, "eps": 1e-5}, "FullAttnRes(heads=1, eps=1e-05)"),
+    (FullAttnRes, {"heads": 4, "logit_scale": 2, "routing_lr_scale": 4},
+     "FullAttnRes(heads=4, logit_scale=2.0, routing_lr_scale=4.0)"),
     (BlockAttnRes, {"heads": 4, "layers_per_block": 1}, "BlockAttnRes(heads=4, layers_per_block=1)"),
+    (BlockAttnRes, {"heads": 2, "num_blocks": 2, "two_phase": True}, "BlockAttnRes(heads=2, num_blocks=2)"),
     (DeltaAttnRes, {"heads": 2, "layers_per_block": 1, "null_source": False},
-     "DeltaAttnRes(heads=2, layers_per_block=1)"),
+     "DeltaAttnRes(heads=2, layers_per_block=1, null_source=False)"),
     (DeltaAttnRes, {"heads": 4, "layers_per_block": 2, "legacy_block_delta": True},
-     "DeltaAttnRes(heads=4, layers_per_block=2)"),
+     "DeltaAttnRes(heads=4, layers_per_block=2, legacy_block_delta=True)"),
 ]
+
+# Per option of the built-in strategies, a value other than the one the strategy is built with in BASE below. A new
+# option must be listed here (test_every_option_reaches_the_label_and_identity names it otherwise), which puts it
+# under the check that it reaches the method's label and identity.
+OTHER_VALUE = {
+    "heads": 2, "random_query_init": True, "eps": 1e-5, "logit_scale": "heads", "routing_lr_scale": 8.0,
+    "layers_per_block": 1, "num_blocks": 2, "two_phase": True, "streams": 2, "dynamic": True, "variant": "mhar_code",
+    "null_source": False, "legacy_block_delta": True,
+}
+# The base each option is varied from: valid with every single change (mhar_code is static only).
+BASE = {HyperConnections: {"dynamic": False}, DeltaAttnRes: {"layers_per_block": 2}}
+
+
+def _variants():
+    """(class, changed option or None, strategy) for every built-in strategy: its base, then one option changed."""
+    for cls in _shipped_strategies():
+        base = BASE.get(cls, {})
+        yield cls, None, cls(**base)
+        for option in init_parameters(cls):
+            if option in OTHER_VALUE:
+                yield cls, option, cls(**{**base, option: OTHER_VALUE[option]})
+
+
+def _shipped_strategies() -> list[type]:
+    return sorted((cls for cls in vars(residual_pkg).values()
+                   if isinstance(cls, type) and issubclass(cls, ResidualStrategy) and not inspect.isabstract(cls)
+                   and cls.__name__ in residual_pkg.__all__ and cls.__name__ != "RoutedResidual"),
+                  key=lambda cls: cls.__name__)
+
+
+def test_every_option_reaches_the_label_and_identity():
+    """Each option of each strategy, changed alone, changes the identity and the label, unless the class declares
+    it a speed option (then neither changes); every variant is valid on a real model shape."""
+    missing = sorted({f"{cls.__name__}.{o}" for cls in _shipped_strategies() for o in init_parameters(cls)
+                      if o not in OTHER_VALUE})
+    assert not missing, f"options without a value in OTHER_VALUE: {missing}"
+    bases = {}
+    for cls, option, strategy in _variants():
+        strategy.bind(_config())  # the combination is one a model accepts
+        if option is None:
+            bases[cls] = strategy
+            continue
+        base = bases[cls]
+        same = option in cls.speed_options
+        assert (strategy.identity() == base.identity()) == same, f"{cls.__name__}.{option}"
+        assert (strategy.method_label() == base.method_label()) == same, f"{cls.__name__}.{option}"
+
+
+def test_different_identities_get_different_labels():
+    """Across every strategy and option variant, a label names one identity: `compare` never pools two methods."""
+    identity_of_label = {}
+    for _, _, strategy in _variants():
+        identity = json.dumps(strategy.identity(), sort_keys=True)
+        assert identity_of_label.setdefault(strategy.method_label(), identity) == identity, strategy.method_label()
+
+
+def test_per_head_logit_scales_and_routing_lr_are_four_methods():
+    """H = 8, H = 8 with c = sqrt(H), with c = H and with the routing lr x H: four labels, four identities."""
+    arms = [FullAttnRes(heads=8), FullAttnRes(heads=8, logit_scale="sqrt_heads"),
+            FullAttnRes(heads=8, logit_scale="heads"), FullAttnRes(heads=8, routing_lr_scale=8)]
+    assert [a.method_label() for a in arms] == [
+        "FullAttnRes(heads=8)", "FullAttnRes(heads=8, logit_scale=sqrt_heads)",
+        "FullAttnRes(heads=8, logit_scale=heads)", "FullAttnRes(heads=8, routing_lr_scale=8.0)"]
+    assert len({json.dumps(a.identity(), sort_keys=True) for a in arms}) == 4
+    # a number is one method however it is spelled
+    assert FullAttnRes(heads=8, routing_lr_scale=8).identity() == FullAttnRes(heads=8, routing_lr_scale=8.0).identity()
+
+
+def test_strategies_say_what_they_are():
+    """The questions consumers ask (export to transformers, compare's baseline, conversion, optimiser groups)."""
+    standard, full, delta = StandardResidual(), FullAttnRes(heads=2), DeltaAttnRes(heads=2, layers_per_block=1)
+    assert standard.is_standard_residual and not full.is_standard_residual and not delta.is_standard_residual
+    assert standard.preserves_pretrained_function and delta.preserves_pretrained_function
+    assert not full.preserves_pretrained_function and not HyperConnections().preserves_pretrained_function
+    model = DecoderLM(_config(), full)
+    assert standard.routing_parameters() == [] and model.residual.routing_parameters() == [full.query]
+
+
+def test_an_older_files_identity_takes_the_defaults_of_options_added_since():
+    """A checkpoint written before logit_scale / routing_lr_scale / num_blocks existed trained with their defaults;
+    retired arguments and speed options are dropped."""
+    old = {"class_path": BlockAttnRes.class_path(),
+           "options": {"heads": 4, "layers_per_block": 2, "random_query_init": False, "eps": 1e-6,
+                       "two_phase": True, "backend": "triton"}}
+    assert BlockAttnRes.identity_of(old) == BlockAttnRes(heads=4, layers_per_block=2).identity()
+    assert BlockAttnRes.identity_of(old) != BlockAttnRes(heads=4, num_blocks=2).identity()
 
 
 def _config() -> ModelConfig:
@@ -42,10 +131,7 @@ def _config() -> ModelConfig:
 
 
 def test_every_shipped_strategy_is_covered():
-    shipped = {cls for cls in vars(residual_pkg).values()
-               if isinstance(cls, type) and issubclass(cls, ResidualStrategy) and not inspect.isabstract(cls)
-               and cls.__name__ in residual_pkg.__all__ and cls.__name__ != "RoutedResidual"}
-    assert shipped == {cls for cls, _, _ in CASES}
+    assert set(_shipped_strategies()) == {cls for cls, _, _ in CASES}
 
 
 @pytest.mark.parametrize("cls,kwargs,label", CASES, ids=lambda v: getattr(v, "__name__", None) or str(v))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mhar_lit.residual import FullAttnRes, HyperConnections, StandardResidual
-from mhar_lit.tracking import local_store_path, method_label, run_name_method, tag_run
+from mhar_lit.tracking import is_standard_residual_run, local_store_path, method_tags, run_name_method, tag_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,9 +23,12 @@ def test_telemetry_is_off_unless_the_user_says_otherwise(given, expected):
 
 
 def test_method_names_for_tables_and_run_names():
-    assert method_label(StandardResidual()) == "StandardResidual"
-    assert method_label(FullAttnRes(heads=8)) == "FullAttnRes(heads=8)"
-    assert method_label(HyperConnections(streams=4)) == "HyperConnections(streams=4, dynamic=True, variant=zhu)"
+    assert method_tags(StandardResidual()) == {"method": "StandardResidual", "standard_residual": "true"}
+    assert method_tags(FullAttnRes(heads=8)) == {"method": "FullAttnRes(heads=8)", "standard_residual": "false"}
+    assert method_tags(HyperConnections(streams=4))["method"] == "HyperConnections(streams=4, dynamic=True, variant=zhu)"
+    assert is_standard_residual_run(method_tags(StandardResidual()))
+    assert not is_standard_residual_run(method_tags(FullAttnRes(heads=1)))
+    assert is_standard_residual_run({"method": "StandardResidual"})  # a run logged before the tag existed
     assert run_name_method("mhar_lit.residual.FullAttnRes") == "FullAttnRes"
     assert run_name_method(None) == "StandardResidual"
     assert local_store_path("sqlite:///runs/mlflow.db") == "runs/mlflow.db"
@@ -47,7 +50,8 @@ def test_tag_run_sets_the_tags_compare_groups_by(tmp_path):
     tag_run(Trainer(), FullAttnRes(heads=2), "tiny", "7")
     run = MlflowClient(uri).get_run(logger.run_id)
     tags = run.data.tags
-    assert (tags["method"], tags["seed"], tags["size"]) == ("FullAttnRes(heads=2)", "7", "tiny")
+    assert (tags["method"], tags["standard_residual"], tags["seed"], tags["size"]) == (
+        "FullAttnRes(heads=2)", "false", "7", "tiny")
     assert {k: v for k, v in run.data.params.items() if k.startswith("trainer/")} == {
         "trainer/max_steps": "100", "trainer/precision": "bf16-mixed", "trainer/accumulate_grad_batches": "4",
         "trainer/devices": "2", "trainer/strategy": "object", "trainer/gradient_clip_val": "None",

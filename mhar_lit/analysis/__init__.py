@@ -1,4 +1,4 @@
-"""Analysis of trained checkpoints: the query probe (SPEC G). See docs/probe.md."""
+"""Analysis of trained checkpoints: the query probe (docs/method.md G). See docs/probe.md."""
 
 from mhar_lit.analysis.capture import capture_sources, observe_sources, routed_residual
 from mhar_lit.analysis.probe import probe_main, probe_model

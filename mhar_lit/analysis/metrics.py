@@ -1,4 +1,4 @@
-"""Pure tensor math of the query probe (SPEC G). No model, no I/O: every function is testable by hand.
+"""Pure tensor math of the query probe (docs/method.md G). No model, no I/O: every function is testable by hand.
 
 Shape legend: N sources, B sequences, T positions, D width, P parts (heads or slices), S sites, R draws.
 All routing math mirrors mhar_lit.routing (keys = cast(S_n * r(S_n)) * g with r over the FULL width,
@@ -34,7 +34,7 @@ def head_weights(keys_NBTD: Tensor, query_D: Tensor, heads: int) -> Tensor:
 
 
 def width_disagreement_kl(keys_NBTD: Tensor, query_D: Tensor, slices: int) -> Tensor:
-    """Mean over slices of KL(a_s || alpha) per token [B, T] (SPEC G).
+    """Mean over slices of KL(a_s || alpha) per token [B, T] (docs/method.md G).
 
     a_s = softmax_n <q_[s], k_n,[s]> and alpha = softmax_n <q, k_n>; since <q, k_n> = sum_s <q_[s], k_n,[s]>
     the shared logits are the sum of the slice logits, so both come from one einsum. Log-softmax keeps
@@ -48,7 +48,8 @@ def width_disagreement_kl(keys_NBTD: Tensor, query_D: Tensor, slices: int) -> Te
 
 
 def matched_norm_queries(query_SD: Tensor, heads: int, draws: int, generator: torch.Generator) -> Tensor:
-    """Random queries q~ [R, S, D] with ||q~_[h]|| = ||q_[h]|| for every site and head slice (SPEC G null).
+    """Random queries q~ [R, S, D] with ||q~_[h]|| = ||q_[h]|| for every site and head slice (docs/method.md G,
+    the null).
 
     z ~ N(0, I) on the CPU generator (so draws are identical on any device), direction z/||z|| per head
     slice, scaled to the trained slice norm. heads = 1 matches the norm per site over the full width.

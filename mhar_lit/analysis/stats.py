@@ -1,4 +1,4 @@
-"""Streaming accumulation of the probe statistics over batches (SPEC G).
+"""Streaming accumulation of the probe statistics over batches (docs/method.md G).
 
 Sources are never kept: each (site, batch) is reduced on the spot to running float64 sums, so the probe
 runs over ~100K tokens of a 1B model (73 sources of width 1280 at the final site) in bounded memory.

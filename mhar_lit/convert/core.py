@@ -178,7 +178,7 @@ def convert_hf(src: str | os.PathLike, dst: str | os.PathLike, strategy: str = "
     residual = strategies.build_strategy(strategy, cfg.num_layers, heads, num_blocks, legacy_block_delta,
                                          null_source)
     shapes = expected_shapes(_meta_model(cfg, residual))
-    if strategy not in strategies.IDENTITY_PRESERVING:
+    if not residual.preserves_pretrained_function:
         log.warning("strategy %r does not preserve the pretrained function at init", strategy)
     with TensorReader(src) as reader:
         plan = _pretrained_plan(reader, shapes, _parse_dtype(dtype), cfg.tie_embeddings)
@@ -191,30 +191,68 @@ def convert_hf(src: str | os.PathLike, dst: str | os.PathLike, strategy: str = "
 
 
 def _write_directory(out: Path, plan: list[Planned], cfg: ModelConfig, residual: ResidualStrategy,
-                     source: Optional[dict[str, Any]], max_shard_bytes: int) -> None:
+                     source: Optional[dict[str, Any]], max_shard_bytes: int) -> dict[str, Any]:
+    """The tensors and mhar_config.json; returns what mhar_config.json holds."""
     files = write_tensors(plan, out, max_shard_bytes, metadata={"mhar_lit": FORMAT})
-    _write_json(out / MHAR_CONFIG, {
+    meta = {
         "format": FORMAT,
         "model_config": cfg.to_dict(),
         "residual": residual.to_config(),
-        "identity_preserving_init": type(residual).__name__ in ("StandardResidual", "DeltaAttnRes"),
+        "identity_preserving_init": residual.preserves_pretrained_function,
         "source": source,
         "files": files,
-    })
+    }
+    _write_json(out / MHAR_CONFIG, meta)
+    return meta
 
 
 # ---------------------------------------------------------------------------------------------- ours -> disk
+def _model_plan(model: DecoderLM, dtype: Optional[str], name_of=lambda name: name) -> list[Planned]:
+    """Every tensor a checkpoint of `model` holds (a tied lm_head once), cast to `dtype`, under name_of(name)."""
+    cast, shapes = _cast(_parse_dtype(dtype)), expected_shapes(model)
+    return [(name_of(name), t.numel() * t.element_size(), lambda t=t: cast(t))
+            for name, t in model.state_dict().items() if name in shapes]
+
+
+def write_pretrained(model: DecoderLM, out: Path, source: Optional[dict[str, Any]] = None,
+                     dtype: Optional[str] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Any]:
+    """The converted-directory files of an in-memory DecoderLM into the existing directory `out`; returns the
+    contents of its mhar_config.json."""
+    return _write_directory(out, _model_plan(model, dtype), model.config, model.residual, source, max_shard_bytes)
+
+
 def save_pretrained(model: DecoderLM, dst: str | os.PathLike, source: Optional[dict[str, Any]] = None,
                     dtype: Optional[str] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                     overwrite: bool = False) -> Path:
     """Write an in-memory DecoderLM (e.g. a trained or EMA-swapped model) as a converted directory."""
-    cast = _cast(_parse_dtype(dtype))
-    state = model.state_dict()
-    plan = [(name, t.numel() * t.element_size(), lambda t=t: cast(t)) for name, t in state.items()
-            if name in expected_shapes(model)]
     with staged_directory(dst, overwrite) as out:
-        _write_directory(out, plan, model.config, model.residual, source, max_shard_bytes)
+        write_pretrained(model, out, source, dtype, max_shard_bytes)
     return Path(dst)
+
+
+def write_hf(model: DecoderLM, out: Path, dtype: str, architecture: Optional[str] = None,
+             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Any]:
+    """A transformers-loadable Llama / Qwen3 directory's weights and config.json from an in-memory standard-
+    residual DecoderLM, into the existing directory `out`; returns the config.json dict."""
+    _require_standard(model.residual, "the model")
+    hf = hf_config_from_model(model.config, architecture or default_architecture(model.config))
+    hf["dtype"] = dtype
+    write_tensors(_model_plan(model, dtype, _hf_name), out, max_shard_bytes)
+    _write_json(out / "config.json", hf)
+    return hf
+
+
+def default_architecture(cfg: ModelConfig) -> str:
+    """The transformers class a standard-residual model of `cfg` is: Qwen3 with q/k norms, else Llama."""
+    return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+
+
+def _require_standard(residual: ResidualStrategy, where: str) -> None:
+    if not residual.is_standard_residual:
+        raise ConversionError(
+            f"{where}: residual strategy {residual.method_label()} has no transformers equivalent; "
+            "only StandardResidual directories can be exported with --export-hf"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -284,8 +322,7 @@ def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
         cfg = ModelConfig.from_dict(meta["model_config"])
     except (KeyError, TypeError, ValueError) as err:
         raise ConversionError(f"{path / MHAR_CONFIG}: bad field 'model_config' ({err})") from err
-    residual = strategies.rebuild(meta.get("residual") or {"class_path": "mhar_lit.residual.standard.StandardResidual"},
-                                  backend=backend, allowed=allowed)
+    residual = strategies.rebuild(meta.get("residual") or strategies.STANDARD, backend=backend, allowed=allowed)
     dtype = _parse_dtype(dtype) if isinstance(dtype, str) else dtype
     return build_from_weights(cfg, residual, path, device=device, dtype=dtype, check_config=False).eval()
 
@@ -317,18 +354,14 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, architecture: Opti
     src, dst = Path(src), Path(dst)
     _check_separate(src, dst)
     meta = read_mhar_config(src)
-    residual = meta.get("residual") or {}
-    if not strategies.is_standard(residual):
-        raise ConversionError(
-            f"{src}: residual strategy {residual.get('class_path')!r} has no transformers equivalent; "
-            "only StandardResidual directories can be exported with --export-hf"
-        )
+    residual = strategies.rebuild(meta.get("residual") or strategies.STANDARD)
+    _require_standard(residual, str(src))
     cfg = ModelConfig.from_dict(meta["model_config"])
     _check_tokenizer(src, cfg.vocab_size)
     arch = architecture or (meta.get("source") or {}).get("architecture")
-    arch = arch or ("Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM")
+    arch = arch or default_architecture(cfg)
     hf = hf_config_from_model(cfg, arch)
-    shapes = expected_shapes(_meta_model(cfg, strategies.rebuild(residual)))
+    shapes = expected_shapes(_meta_model(cfg, residual))
     cast = _cast(_parse_dtype(dtype))
     with TensorReader(src) as reader:
         names = _names_to_load(reader, shapes)

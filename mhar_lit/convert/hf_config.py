@@ -10,12 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from mhar_lit.config import ModelConfig
+from mhar_lit.config import TRANSFORMERS_KEYS, ModelConfig
 from mhar_lit.errors import UserError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 _MODEL_TYPE_OF = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# ModelConfig fields a config.json must give; the others fall back to transformers' defaults where they differ
+# from ModelConfig's (no tying, as many kv heads as heads) or to ModelConfig's (head_dim = hidden / heads).
+_REQUIRED = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "rms_norm_eps")
+_TRANSFORMERS_DEFAULTS = {"tie_embeddings": False}
+_TYPES = {"rms_norm_eps": float, "tie_embeddings": bool}  # the other mapped fields are ints
 
 
 class ConversionError(UserError):
@@ -33,12 +38,6 @@ def architecture_of(hf: dict[str, Any], where: str = "config.json") -> str:
             f"supported: {sorted(ARCHITECTURES)}"
         )
     return archs[0]
-
-
-def _require(hf: dict[str, Any], key: str, where: str) -> Any:
-    if key not in hf:
-        raise ConversionError(f"{where}: missing field {key!r}")
-    return hf[key]
 
 
 def _refuse(hf: dict[str, Any], key: str, allowed: tuple, where: str) -> None:
@@ -75,26 +74,17 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     _refuse(hf, "mlp_bias", (False,), where)
     _refuse(hf, "use_sliding_window", (False,), where)
     _refuse(hf, "pretraining_tp", (1,), where)
-    heads = int(_require(hf, "num_attention_heads", where))
-    hidden = int(_require(hf, "hidden_size", where))
+    values = dict(_TRANSFORMERS_DEFAULTS)
+    for ours, theirs in TRANSFORMERS_KEYS.items():
+        if hf.get(theirs) is not None:
+            values[ours] = _TYPES.get(ours, int)(hf[theirs])
+        elif ours in _REQUIRED:
+            raise ConversionError(f"{where}: missing field {theirs!r}")
+    values.setdefault("num_kv_heads", values["num_heads"])
     theta, scaling = _rope(hf, where)
     try:
-        return ModelConfig(
-            vocab_size=int(_require(hf, "vocab_size", where)),
-            hidden_size=hidden,
-            num_layers=int(_require(hf, "num_hidden_layers", where)),
-            num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            intermediate_size=int(_require(hf, "intermediate_size", where)),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            rms_norm_eps=float(_require(hf, "rms_norm_eps", where)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            name=str(hf.get("_name_or_path") or arch),
-        )
+        return ModelConfig(**values, rope_theta=theta, rope_scaling=scaling, qk_norm=arch == "Qwen3ForCausalLM",
+                           name=str(hf.get("_name_or_path") or arch))
     except ValueError as err:  # ModelConfig's own validation, e.g. heads not dividing
         raise ConversionError(f"{where}: {err}") from err
 
@@ -113,17 +103,8 @@ def hf_config_from_model(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
     out = {
         "architectures": [architecture],
         "model_type": ARCHITECTURES[architecture],
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "intermediate_size": cfg.intermediate_size,
-        "head_dim": cfg.head_dim,
+        **cfg.transformers_fields(),
         "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "rope_parameters": rope_parameters,
         "rope_theta": cfg.rope_theta,

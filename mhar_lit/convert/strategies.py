@@ -11,8 +11,8 @@ from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes, StandardR
 from mhar_lit.residual.base import ALLOWED_PACKAGES, ResidualStrategy
 
 STRATEGIES = ("delta", "standard", "full", "block")
-# Strategies whose function equals the pretrained model at init (delta: its gates start at 0).
-IDENTITY_PRESERVING = ("delta", "standard")
+# The strategy of a directory whose mhar_config.json names none.
+STANDARD = StandardResidual().to_config()
 
 
 def layers_per_block(num_layers: int, num_blocks: int) -> int:
@@ -50,7 +50,3 @@ def rebuild(description: dict[str, Any], backend: Optional[str] = None,
     if backend is not None and hasattr(strategy, "set_routing_backend"):
         strategy.set_routing_backend(backend)
     return strategy
-
-
-def is_standard(description: dict[str, Any]) -> bool:
-    return description.get("class_path", "").endswith(".StandardResidual")

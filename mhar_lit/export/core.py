@@ -5,21 +5,21 @@
                                            transformers with trust_remote_code, without mhar_lit installed
     tokenizer.json (+ generation_config.json with the EOS id)
 
-format="hf" instead writes a plain Llama / Qwen3 directory through mhar_lit.convert.export_hf, which only a
-standard-residual model has.
+format="hf" instead writes a plain Llama / Qwen3 directory (mhar_lit.convert.core.write_hf: weights under
+transformers' names, config.json, tokenizer), which only a standard-residual model has.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from mhar_lit.convert.core import export_hf, save_pretrained
+from mhar_lit.config import ModelConfig
+from mhar_lit.convert.core import write_hf, write_pretrained
 from mhar_lit.convert.hf_config import ConversionError
 from mhar_lit.convert.io import check_output, staged_directory
 from mhar_lit.export.remote_code import MODELING_FILE, flat_module_name, remote_code_files
@@ -45,23 +45,16 @@ def _load(ckpt: str, trust_pickle: bool) -> tuple[Any, dict[str, Any], str]:
 
 
 def _transformers_config(meta: dict[str, Any], dtype: str, eos_id: int) -> dict[str, Any]:
-    """config.json for the remote-code classes (top-level sizes repeated for tools; model_config counts)."""
-    cfg, residual = meta["model_config"], meta["residual"]
+    """config.json for the remote-code classes (the transformers fields repeated for tools; model_config counts)."""
     return {
         "architectures": ["MharForCausalLM"],
         "model_type": "mhar",
         "auto_map": {"AutoConfig": f"{MODELING_FILE[:-3]}.MharConfig",
                      "AutoModelForCausalLM": f"{MODELING_FILE[:-3]}.MharForCausalLM"},
-        "model_config": cfg,
-        "residual": residual,
-        "residual_module": flat_module_name(residual["class_path"].rpartition(".")[0]),
-        "vocab_size": cfg["vocab_size"],
-        "hidden_size": cfg["hidden_size"],
-        "num_hidden_layers": cfg["num_layers"],
-        "num_attention_heads": cfg["num_heads"],
-        "num_key_value_heads": cfg["num_kv_heads"],
-        "max_position_embeddings": cfg["max_position_embeddings"],
-        "tie_word_embeddings": cfg["tie_embeddings"],
+        "model_config": meta["model_config"],
+        "residual": meta["residual"],
+        "residual_module": flat_module_name(meta["residual"]["class_path"].rpartition(".")[0]),
+        **ModelConfig.from_dict(meta["model_config"]).transformers_fields(),
         "eos_token_id": eos_id,
         "use_cache": False,
         "dtype": dtype,
@@ -72,16 +65,28 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def _write_tokenizer(out: Path, tokenizer: tuple, vocab_size: int) -> int:
+    """tokenizer.json and generation_config.json (the EOS id); returns the EOS id."""
+    eos_id = write_tokenizer(*tokenizer, out, vocab_size)
+    _write_json(out / "generation_config.json", {"eos_token_id": eos_id})
+    return eos_id
+
+
 def _write_mhar(model: Any, out: Path, source: dict[str, Any], dtype: str, tokenizer: tuple) -> None:
     """Everything of format "mhar" into the (empty) directory `out`."""
-    save_pretrained(model, out, source=source, dtype=dtype, overwrite=True)
-    meta = json.loads((out / "mhar_config.json").read_text())
-    eos_id = write_tokenizer(*tokenizer, out, model.config.vocab_size)
+    meta = write_pretrained(model, out, source=source, dtype=dtype)
+    eos_id = _write_tokenizer(out, tokenizer, model.config.vocab_size)
     _write_json(out / "config.json", _transformers_config(meta, dtype, eos_id))
-    _write_json(out / "generation_config.json", {"eos_token_id": eos_id})
     strategy_module = meta["residual"]["class_path"].rpartition(".")[0]
     for name, text in remote_code_files(strategy_module).items():
         (out / name).write_text(text)
+
+
+def _write_hf(model: Any, out: Path, dtype: str, tokenizer: tuple) -> None:
+    """Everything of format "hf" into the (empty) directory `out`: a plain Llama / Qwen3 directory."""
+    eos_id = _write_tokenizer(out, tokenizer, model.config.vocab_size)
+    hf = write_hf(model, out, dtype)
+    _write_json(out / "config.json", {**hf, "eos_token_id": eos_id})
 
 
 def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: Optional[str] = None,
@@ -103,19 +108,15 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, 
         raise ConversionError(f"output directory {out_dir} contains the checkpoint {ckpt_path}; choose another --to")
     model, settings, stored = _load(str(ckpt_path), trust_pickle)
     dtype = dtype or (stored if stored in _DTYPES else "float32")
-    if format == "hf" and type(model.residual).__name__ != "StandardResidual":
+    if format == "hf" and not model.residual.is_standard_residual:
         raise ConversionError(f"--format hf needs a standard-residual model; {ckpt_path} has "
-                              f"{type(model.residual).__name__}, which transformers' Llama / Qwen3 cannot express "
+                              f"{model.residual.method_label()}, which transformers' Llama / Qwen3 cannot express "
                               "(use --format mhar)")
     spec = checkpoint_tokenizer(settings, tokenizer)
     source = {"checkpoint": str(Path(ckpt_path).absolute())}
-    if format == "hf":
-        from mhar_lit.paths import nearest_existing
-
-        beside = nearest_existing(Path(out_dir).absolute().parent)  # same file system as the output
-        with tempfile.TemporaryDirectory(prefix=".mhar-export-", dir=beside) as tmp:
-            _write_mhar(model, Path(tmp), source, dtype, spec)
-            return export_hf(tmp, out_dir, dtype="source", overwrite=overwrite)
     with staged_directory(out_dir, overwrite) as out:
-        _write_mhar(model, out, source, dtype, spec)
+        if format == "hf":
+            _write_hf(model, out, dtype, spec)
+        else:
+            _write_mhar(model, out, source, dtype, spec)
     return Path(out_dir)

@@ -34,20 +34,15 @@ class MharConfig(PretrainedConfig):
 
     def __init__(self, model_config: Optional[dict[str, Any]] = None, residual: Optional[dict[str, Any]] = None,
                  residual_module: Optional[str] = None, **kwargs: Any) -> None:
-        self.model_config = ModelConfig.from_dict(dict(model_config or {})).to_dict()
+        model = ModelConfig.from_dict(dict(model_config or {}))
+        self.model_config = model.to_dict()
         self.residual = dict(residual or _STANDARD)
         self.residual_module = residual_module
-        cfg = self.model_config
-        derived = {"vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"],
-                   "num_hidden_layers": cfg["num_layers"], "num_attention_heads": cfg["num_heads"],
-                   "num_key_value_heads": cfg["num_kv_heads"],
-                   "max_position_embeddings": cfg["max_position_embeddings"],
-                   "tie_word_embeddings": cfg["tie_embeddings"]}
-        for key, value in derived.items():  # config.json repeats them for tools; model_config is what counts
+        for key, value in model.transformers_fields().items():  # config.json repeats them for tools
             kwargs.pop(key, None)
             setattr(self, key, value)
         kwargs.setdefault("use_cache", False)
-        super().__init__(tie_word_embeddings=cfg["tie_embeddings"], **kwargs)
+        super().__init__(tie_word_embeddings=model.tie_embeddings, **kwargs)
 
 
 def _strategy_class(config: MharConfig) -> type:
@@ -62,12 +57,9 @@ def _strategy_class(config: MharConfig) -> type:
 
 
 def build_strategy(config: MharConfig) -> Any:
-    """The residual strategy with its saved constructor arguments, on the PyTorch routing path."""
-    cls = _strategy_class(config)
-    init_args = dict(config.residual.get("init_args") or {})
-    if "backend" in init_args:
-        init_args["backend"] = "torch"  # the fused Triton kernels are not part of an export
-    return cls(**init_args)
+    """The residual strategy with its saved constructor arguments (routing on the PyTorch path, the default:
+    the fused Triton kernels are not part of an export)."""
+    return _strategy_class(config)(**dict(config.residual.get("init_args") or {}))
 
 
 class MharForCausalLM(PreTrainedModel, GenerationMixin):

@@ -33,8 +33,7 @@ from mhar_lit.kernels.common import (_dout_rows, _full_row_tile, _full_row_tile_
 @triton.jit(do_not_specialize=["site", "n_blk", "span", "add_prev"])
 def _block_fwd_kernel(
     new_ptr, rows_ptr, r_ptr, w_ptr, out_ptr, lse_ptr, site, n_blk, span, add_prev, P, D, H, K, eps,
-    BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr, UNROLL: tl.constexpr,
-    STAGES: tl.constexpr,
+    BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Site `site`: the online softmax over the n_blk block rows j * span, then its row R_s (new + R_{s-1} if
     add_prev) written with its statistic and folded in last; writes out [P, D] and lse[site] [P, H]."""
@@ -46,18 +45,11 @@ def _block_fwd_kernel(
     m = tl.full([BLOCK_T, H_P], float("-inf"), ACC)
     l = tl.zeros([BLOCK_T, H_P], ACC)
     acc = tl.zeros([BLOCK_T, H_P, K_P], ACC)
-    for j in tl.range(0, n_blk, UNROLL, num_stages=STAGES):  # UNROLL = 2: two rows' loads issued together
+    for j in tl.range(0, n_blk, num_stages=STAGES):
         row = j * span
         v = tl.load(rows_ptr + row * row_stride + tile, mask=mask, other=0.0).to(ACC)
         r = tl.load(r_ptr + row * P + offs_t, mask=mask_t, other=0.0)
-        if UNROLL == 2:
-            second = j + 1 < n_blk
-            v2 = tl.load(rows_ptr + (row + span) * row_stride + tile, mask=mask & second, other=0.0).to(ACC)
-            r2 = tl.load(r_ptr + (row + span) * P + offs_t, mask=mask_t & second, other=0.0)
-            m, l, acc = _online_update(v, r, w_HK, m, l, acc, store_ty)
-            m, l, acc = _online_update_if(v2, r2, second, w_HK, m, l, acc, store_ty)
-        else:
-            m, l, acc = _online_update(v, r, w_HK, m, l, acc, store_ty)
+        m, l, acc = _online_update(v, r, w_HK, m, l, acc, store_ty)
     # the own row after the block rows (the loop reads no row >= site): the loop's pipelined loads start at once
     # and the row is not held in registers through the loop
     own = tl.load(new_ptr + tile, mask=mask, other=0.0).to(ACC)
@@ -74,18 +66,6 @@ def _block_fwd_kernel(
     out = acc / l[:, :, None]
     tl.store(out_ptr + tile, _to_storage(out, out_ptr.dtype.element_ty), mask=mask)
     tl.store(lse_ptr + site * P * H + th, m + tl.log(l), mask=mask_th)
-
-
-@triton.jit
-def _online_update_if(v, r, valid, w_HK, m, l, acc, store_ty: tl.constexpr):
-    """_online_update that changes nothing when `valid` is false (the row past the end of an unrolled step;
-    the first row of every step is valid, so m is finite here)."""
-    kr = _to_storage(v * r[:, None, None], store_ty).to(v.dtype)
-    logit = tl.where(valid, tl.sum(kr * w_HK[None, :, :], axis=2), float("-inf"))
-    m_new = tl.maximum(m, logit)
-    scale = tl.exp(m - m_new)
-    p = tl.exp(logit - m_new)
-    return m_new, l * scale + p, acc * scale[:, :, None] + p[:, :, None] * v
 
 
 # Backward. Per site (reverse order) a light site kernel: S = <dout, out> per head into the block's S table,
@@ -144,7 +124,7 @@ def _block_pass_bwd_kernel(
     rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, g_ptr, dsrc_ptr,
     block, s_lo, n_slots, span, NB, P, D, H, K,
     LAST: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
-    SLOT_UNROLL: tl.constexpr, STAGES: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Block `block` (sites s_lo .. s_lo + n_slots - 1: their douts in dout_ptrs[0 .. n_slots), their S in
     S[0 .. n_slots)) is done. One program per token tile and block row j <= block (buffer row j * span; j
@@ -152,7 +132,7 @@ def _block_pass_bwd_kernel(
     pairs with every site of the block (each pair's dl into the dl table), summed with the coupling into G[j]
     for j < block (LAST: the last block initialises G), and for j = block into dsrc with G[block]: that row is
     finished. (Its row R_{s_lo + 1} does not contain it, so no chain comes in; the site before reads this dsrc
-    as its chain.) SLOT_UNROLL = 2: two sites' loads issued together."""
+    as its chain.)"""
     j = tl.program_id(0) % (block + 1)
     offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile_at(
         tl.program_id(0) // (block + 1), P, D, H, K, BLOCK_T, H_P, K_P)
@@ -164,22 +144,13 @@ def _block_pass_bwd_kernel(
     kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
     dv = tl.zeros([BLOCK_T, H_P, K_P], ACC)
     c = tl.zeros([BLOCK_T, H_P], ACC)  # per head; summed over the heads once, after the loop
-    for slot in tl.range(0, n_slots, SLOT_UNROLL, num_stages=STAGES):
+    for slot in tl.range(0, n_slots, num_stages=STAGES):
         dout, S, lse, w = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot, s_lo, slot < n_slots,
                                             tile, mask, th, mask_th, col_HK, mask_hk, P, D, H, store_ty, ACC)
-        if SLOT_UNROLL == 2:  # the second site's loads before the first's math; a site past the end adds 0
-            dout2, S2, lse2, w2 = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot + 1, s_lo,
-                                                    slot + 1 < n_slots, tile, mask, th, mask_th, col_HK, mask_hk,
-                                                    P, D, H, store_ty, ACC)
         dv_s, dl, c_s = _pair_grads_per_head(v, kr, r, dout, w, lse, S)
         dv += dv_s
         c += c_s
         tl.store(dl_ptr + _dl_offsets(s_lo + slot, j, NB, P, H, zth), dl, mask=mask_th)
-        if SLOT_UNROLL == 2:
-            dv_s, dl, c_s = _pair_grads_per_head(v, kr, r, dout2, w2, lse2, S2)
-            dv += dv_s
-            c += c_s
-            tl.store(dl_ptr + _dl_offsets(s_lo + slot + 1, j, NB, P, H, zth), dl, mask=mask_th & (slot + 1 < n_slots))
     dv -= (r * r * tl.sum(c, axis=1) / D)[:, None, None] * v
     if not LAST:
         dv += tl.load(g_ptr + j * row_stride + tile, mask=mask, other=0.0)

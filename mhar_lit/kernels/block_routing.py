@@ -141,7 +141,7 @@ class BlockRouting:
         block_kernels._block_fwd_kernel[(self.programs,)](
             new, self.rows, self.r, self.w_SD, out_PD, self.lse,
             site, self.block_rows_before(site), self.span, add_prev, self.p, d, self.heads, self.k, self.eps,
-            BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl, UNROLL=self.config.unroll,
+            BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
             STAGES=self.fwd_stages, num_warps=self.num_warps,
         )
         self.next_site += 1
@@ -203,7 +203,7 @@ class BlockRouting:
             self.rows, self.r, self.w_SD, self.lse,
             bw["dout_ptrs"], bw["S"], bw["dl"], bw["G"], dsrc_PD, block, s0, slots, self.span, blocks, *dims,
             LAST=block == blocks - 1, BLOCK_T=self.pass_block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
-            SLOT_UNROLL=self.config.pass_unroll, STAGES=self.pass_stages, num_warps=self.pass_warps,
+            STAGES=self.pass_stages, num_warps=self.pass_warps,
         )
         bw["douts"] = [None] * len(bw["douts"])  # the block's douts are read; the block before fills the table
 

@@ -174,7 +174,6 @@ def dot_split(k: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------- block mode (BlockRouting)
 BLOCK_TILE = 4096  # 4096-element tiles beat 2048 at every shape (2026-12-05)
-BLOCK_UNROLL_CHOICES = (1, 2)  # block rows whose loads the forward's loop issues together
 PIPELINED_FORWARD_MIN_TOKENS = 4  # the forward's block-row loop pipelined from 4 tokens per program (2026-12-05)
 PIPELINE_STAGES = 3
 BLOCK_PASS_WARPS = 8  # the block pass: 8 warps beat 4 at every shape, unpipelined (2026-12-05)
@@ -188,16 +187,11 @@ class BlockRoutingConfig:
 
     num_warps: int = 0  # 0: 8 where a tile holds one token, else 4
     tile_elements: int = BLOCK_TILE
-    unroll: int = 1
     pass_warps: int = 0
     pass_tile_elements: int = 0  # 0: tile_elements
-    pass_unroll: int = 1
     stages: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("unroll", "pass_unroll"):
-            if getattr(self, name) not in BLOCK_UNROLL_CHOICES:
-                raise ValueError(f"{name} must be one of {BLOCK_UNROLL_CHOICES}, got {getattr(self, name)}")
         if self.stages < 0:
             raise ValueError(f"stages must be >= 0 (0: automatic, 1: loops not software-pipelined), "
                              f"got {self.stages}")

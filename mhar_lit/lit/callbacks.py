@@ -217,7 +217,7 @@ class RoutingMonitor(L.Callback):
     head-mean of the mean per-token routing entropy / log N; 1 = uniform mixing), `routing/entropy` (their
     mean), `routing/logit_spread` (mean over sites, heads and tokens of max - min of a head's logits over the
     sources), `routing/monitor_ms`, and `train/lr_sum`: the sum of the lr used by every optimizer step so far
-    (with `model.routing_lr_scale` != 1 also `train/routing_lr_sum`, the routing group's). The sums are part of
+    (with a strategy `routing_lr_scale` != 1 also `train/routing_lr_sum`, the routing group's). The sums are part of
     the callback's checkpoint state, so a resumed run continues them.
 
     Figures (per-head detail): `routing/heatmap_step{N:07d}.png` (token-averaged weights, sites x sources per
@@ -255,7 +255,7 @@ class RoutingMonitor(L.Callback):
 
     def _lr_metrics(self, pl_module) -> dict[str, float]:
         metrics = {"train/lr_sum": self.lr_sum}
-        if getattr(pl_module, "hparams", {}).get("routing_lr_scale", 1.0) != 1.0:
+        if pl_module.model.residual.routing_lr_scale != 1.0:
             metrics["train/routing_lr_sum"] = self.routing_lr_sum  # the queries' group is the last one
         return metrics
 

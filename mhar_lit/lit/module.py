@@ -20,7 +20,7 @@ from mhar_lit.config import ModelConfig
 from mhar_lit.models.decoder import DecoderLM, RMSNorm
 from mhar_lit.errors import UserError, UserFileNotFoundError
 from mhar_lit.lit.loss import next_token_loss
-from mhar_lit.residual.base import ALLOWED_PACKAGES, ResidualStrategy, without_speed_options
+from mhar_lit.residual.base import ALLOWED_PACKAGES, ResidualStrategy
 from mhar_lit.residual.standard import StandardResidual
 
 
@@ -48,7 +48,6 @@ def _check_training_settings(**settings: Any) -> None:
         "grad_clip": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
         "z_loss": (lambda v: v >= 0, ">= 0"),
         "tail_k": (lambda v: v >= 1, ">= 1"),
-        "routing_lr_scale": (lambda v: v > 0, "> 0"),
     }
     for name, value in settings.items():
         ok, expected = rules[name]
@@ -79,9 +78,9 @@ class LanguageModel(L.LightningModule):
             True: capture or refuse the run; False: eager.
         tail_k: number of last validations averaged into val/tail_mean (the paper's metric uses 11).
         init_from: a directory written by `python -m mhar_lit convert` or a .safetensors file to start from.
-        routing_lr_scale: beyond the paper (docs/method.md "Beyond the paper: routing learning rate"): the
-            routing queries (the strategy's `query`) get their own AdamW group with lr x this factor, on the
-            same schedule. 1.0 (default): no extra group, the paper's optimiser.
+
+    The strategy's `routing_parameters()` get their own AdamW group at lr x its `routing_lr_scale` when that
+    is not 1 (an option of the routing strategies: docs/method.md "Beyond the paper: routing learning rate").
     """
 
     def __init__(
@@ -105,12 +104,11 @@ class LanguageModel(L.LightningModule):
         cuda_graph: Optional[bool] = None,
         tail_k: int = 11,
         init_from: Optional[str] = None,
-        routing_lr_scale: float = 1.0,
     ) -> None:
         super().__init__()
         _check_training_settings(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps,
                                  decay_steps=decay_steps, min_lr_ratio=min_lr_ratio, grad_clip=grad_clip,
-                                 z_loss=z_loss, tail_k=tail_k, routing_lr_scale=routing_lr_scale)
+                                 z_loss=z_loss, tail_k=tail_k)
         self.save_hyperparameters()
         self.config = ModelConfig.from_name(size, **(model_overrides or {}))
         residual = residual if residual is not None else StandardResidual()
@@ -203,19 +201,21 @@ class LanguageModel(L.LightningModule):
     # ---------------------------------------------------------------- optimisation
     def parameter_groups(self) -> list[dict[str, Any]]:
         groups = self._weight_decay_groups()
-        scale = self.hparams.get("routing_lr_scale", 1.0)
+        scale = self.model.residual.routing_lr_scale
         return groups if scale == 1.0 else self._with_routing_group(groups, scale)
 
     def _with_routing_group(self, groups: list[dict[str, Any]], scale: float) -> list[dict[str, Any]]:
-        """The routing queries moved out of `groups` into a last group of their own with lr x scale (LambdaLR
-        multiplies every group's own initial lr by the same schedule factor)."""
-        query = getattr(self.model.residual, "query", None)
-        if not isinstance(query, torch.nn.Parameter) or not query.requires_grad:
-            raise UserError(f"model.routing_lr_scale {scale} needs a strategy with routing queries; "
-                             f"{type(self.model.residual).__name__} has none")
-        home = next(g for g in groups if any(p is query for p in g["params"]))
-        groups = [dict(g, params=[p for p in g["params"] if p is not query]) for g in groups]
-        return groups + [{"params": [query], "weight_decay": home["weight_decay"], "lr": self.hparams.lr * scale}]
+        """The strategy's routing parameters moved out of `groups` into a last group of their own with lr x scale
+        (LambdaLR multiplies every group's own initial lr by the same schedule factor). They keep the weight
+        decay of the group they came from."""
+        routing = [p for p in self.model.residual.routing_parameters() if p.requires_grad]
+        if not routing:
+            raise UserError(f"routing_lr_scale {scale}: {self.model.residual.method_label()} has no trainable "
+                             "routing parameters")
+        moved = {id(p) for p in routing}
+        home = next(g for g in groups if any(id(p) in moved for p in g["params"]))
+        groups = [dict(g, params=[p for p in g["params"] if id(p) not in moved]) for g in groups]
+        return groups + [{"params": routing, "weight_decay": home["weight_decay"], "lr": self.hparams.lr * scale}]
 
     def _weight_decay_groups(self) -> list[dict[str, Any]]:
         if self.hparams.decay_all_parameters:
@@ -284,8 +284,7 @@ class LanguageModel(L.LightningModule):
             raise UserError("checkpoint was not written by mhar_lit (no 'mhar_lit' section); cannot resume from it")
         residual = self.model.residual
         mine = {"model_config": self.config.to_dict(), "residual": residual.identity()}
-        saved = dict(saved, residual=_with_init_defaults(
-            without_speed_options(saved["residual"], type(residual).speed_options), type(residual)))
+        saved = dict(saved, residual=type(residual).identity_of(saved["residual"]))
         for key in ("model_config", "residual"):
             if saved[key] != mine[key]:
                 raise UserError(
@@ -296,9 +295,8 @@ class LanguageModel(L.LightningModule):
 
     # Restored with the optimizer state (its param groups) and LambdaLR's base_lrs, so a changed value would be
     # logged but not used; the schedule's shape (warmup, decay, floor), clipping and z-loss do follow the config.
-    # routing_lr_scale sets the routing group's lr (and whether it exists); checkpoints older than it used 1.0.
-    OPTIMIZER_STATE_SETTINGS = ("lr", "betas", "eps", "weight_decay", "decay_all_parameters", "routing_lr_scale")
-    OPTIMIZER_SETTING_DEFAULTS = {"routing_lr_scale": 1.0}
+    # (The strategy's routing_lr_scale is part of its identity, compared above.)
+    OPTIMIZER_STATE_SETTINGS = ("lr", "betas", "eps", "weight_decay", "decay_all_parameters")
 
     def _check_optimizer_settings(self, saved: dict[str, Any]) -> None:
         if self._trainer is None or self.trainer.state.fn != "fit":
@@ -307,7 +305,6 @@ class LanguageModel(L.LightningModule):
         def norm(v):
             return tuple(float(x) for x in v) if isinstance(v, (list, tuple)) else v
 
-        saved = {**self.OPTIMIZER_SETTING_DEFAULTS, **saved}
         differ = [f"{k}: checkpoint {saved[k]}, this run {self.hparams[k]}" for k in self.OPTIMIZER_STATE_SETTINGS
                   if k in saved and norm(saved[k]) != norm(self.hparams[k])]
         if differ:
@@ -331,17 +328,6 @@ class LanguageModel(L.LightningModule):
                 f"the tokenizer has {vocab} ids but the model's vocab_size is {self.config.vocab_size}; "
                 f"set model.model_overrides.vocab_size >= {vocab}"
             )
-
-
-def _with_init_defaults(config: dict[str, Any], cls: type) -> dict[str, Any]:
-    """`config` of a strategy of class `cls` with every init argument it lacks set to its default: a file written
-    before an option existed (e.g. logit_scale) trained with that option's default, the unchanged method."""
-    from mhar_lit.residual.base import init_parameters
-
-    if config.get("class_path") != cls.class_path():
-        return config
-    defaults = {n: p.default for n, p in init_parameters(cls).items() if p.default is not p.empty}
-    return dict(config, init_args={**defaults, **config["init_args"]})
 
 
 def check_checkpoint_file(path: str) -> None:

@@ -32,33 +32,39 @@ from torch import Tensor, nn
 
 from mhar_lit.config import ModelConfig
 from mhar_lit.residual.base import ResidualStrategy
-from mhar_lit.routing import check_heads, make_router, routing_weights
+from mhar_lit.routing import check_heads, make_router
 
 
 class RoutedResidual(ResidualStrategy):
     """Shared machinery: per-site (query, key_norm) parameters and a router (`routing_mode`: "full", "block"
     or "call"; see mhar_lit.routing).
 
-    logit_scale (beyond the paper, docs/method.md "Beyond the paper: routing learning rate"): a constant c
-    multiplying every routing logit: None (the paper, c = 1), a positive number, "sqrt_heads" (c = sqrt(H)) or
-    "heads" (c = H). The logits are linear in the query, so the router is given c * query (`effective_query`)
-    and no kernel changes: both backends agree, and autograd carries c into the query's gradient.
+    Two options beyond the paper (docs/method.md "Beyond the paper: routing learning rate"), off by default:
+    logit_scale, a constant c multiplying every routing logit: None (the paper, c = 1), a positive number,
+    "sqrt_heads" (c = sqrt(H)) or "heads" (c = H). The logits are linear in the query, so the router is given
+    c * query (`effective_query`) and no kernel changes: both backends agree, and autograd carries c into the
+    query's gradient. routing_lr_scale: the queries (`routing_parameters`) get their own AdamW group with
+    lr x this factor, on the same schedule (1.0: no extra group, the paper's optimiser).
     """
 
     routing_mode = "full"
+    label_options = ("heads",)
 
     def __init__(self, heads: int = 8, random_query_init: bool = False, eps: float = 1e-6,
-                 logit_scale: Union[None, float, str] = None) -> None:
+                 logit_scale: Union[None, float, str] = None, routing_lr_scale: float = 1.0) -> None:
         super().__init__()
         if heads < 1:
             raise ValueError(f"heads must be >= 1, got {heads}")
+        if isinstance(routing_lr_scale, bool) or not (isinstance(routing_lr_scale, (int, float))
+                                                      and math.isfinite(routing_lr_scale) and routing_lr_scale > 0):
+            raise ValueError(f"routing_lr_scale must be a positive number, got {routing_lr_scale!r}")
         self.heads = heads
         self.random_query_init = random_query_init
         self.eps = eps
-        self.logit_scale = logit_scale
         self.logit_factor = resolve_logit_scale(logit_scale, heads)
-        self.record_weights = False
-        self.recorded: dict[int, Tensor] = {}
+        # numbers as floats, so that 8 and 8.0 are one method in labels and identities
+        self.logit_scale = logit_scale if logit_scale is None or isinstance(logit_scale, str) else self.logit_factor
+        self.routing_lr_scale = float(routing_lr_scale)
         # called with (site, sources [N, B, T, D], detached) at every routing site (mhar_lit.analysis.capture)
         self.source_observer: Optional[Callable[[int, Tensor], None]] = None
         self._routing_choice: tuple[str, Optional[Mapping]] = ("torch", None)
@@ -118,6 +124,9 @@ class RoutedResidual(ResidualStrategy):
     def no_decay_parameter_names(self) -> set[str]:
         return {"key_norm"}
 
+    def routing_parameters(self) -> list[nn.Parameter]:
+        return [self.query]
+
     # ---- full and block mode: the router keeps the depth state
     def begin(self, embedding: Tensor) -> Any:
         return self.router.begin(embedding, self.effective_query(), self.key_norm)
@@ -133,28 +142,15 @@ class RoutedResidual(ResidualStrategy):
 
     def route_site(self, state: Any, site: int) -> Tensor:
         mixed = self.router.route(state, site)
-        if self.record_weights or self.source_observer is not None:
-            self._observe(self.router.sources(state, site), site)
+        if self.source_observer is not None:
+            self.source_observer(site, self.router.sources(state, site).detach())
         return mixed
 
     # ---- call mode (delta): one routing call over a list of sources
     def route_sources(self, sources: list[Tensor], site: int) -> Tensor:
-        if self.record_weights or self.source_observer is not None:
-            self._observe(torch.stack(sources) if len(sources) > 1 else sources[0].unsqueeze(0), site)
-        return self.router.route(sources, self.effective_query()[site], self.key_norm[site])
-
-    def _observe(self, sources_NBTD: Tensor, site: int) -> None:
         if self.source_observer is not None:
-            self.source_observer(site, sources_NBTD.detach())
-        if self.record_weights:
-            self.record(sources_NBTD, site)
-
-    @torch.no_grad()
-    def record(self, sources_NBTD: Tensor, site: int) -> None:
-        """Store the token-averaged routing weights [N, H] of `site` (for monitors and the probe)."""
-        weights = routing_weights(sources_NBTD, self.effective_query()[site], self.key_norm[site], self.heads,
-                                  self.eps)
-        self.recorded[site] = weights.mean(dim=(1, 2)).float().cpu()
+            self.source_observer(site, torch.stack(sources).detach())
+        return self.router.route(sources, self.effective_query()[site], self.key_norm[site])
 
     @property
     def final_site(self) -> int:
@@ -186,40 +182,55 @@ class FullAttnRes(RoutedResidual):
 
 
 class BlockAttnRes(RoutedResidual):
-    """Block attention residuals: additive inside blocks of `layers_per_block` layers, routed across blocks.
+    """Block attention residuals: additive inside blocks of layers, routed across blocks.
 
-    Blocks are counted in transformer layers and must tile the depth exactly (no ceil rule): a depth that
-    is not a multiple of `layers_per_block` is a ValueError naming both numbers.
+    The blocks tile the depth exactly (no ceil rule). Give their size or an upper bound on their count:
+    layers_per_block (a depth that is not a multiple of it is a ValueError naming both numbers), or num_blocks,
+    the most equal blocks not more than num_blocks: the largest divisor of the depth up to num_blocks, so one
+    setting fits every size (num_blocks 8: 6 blocks of 2 layers at depth 12, 8 of 3 at 24, 6 of 6 at 36,
+    where the paper's ceil rule would leave a 1-layer last block; docs/method.md J6). Neither: 2 layers per block.
 
     two_phase=True computes the same routing as Kimi's two-phase refactoring on the torch backend (see
-    mhar_lit.routing.torch_routers.BlockRouter; measured in benchmarks/results/block_routing.md); the triton
-    backend has its own fused schedule and ignores it (with a warning).
+    mhar_lit.routing.torch_routers.BlockRouter; measured in benchmarks/results/cpu_two_phase_2026-12-05); the
+    triton backend has its own fused schedule and ignores it (with a warning).
     """
 
     routing_mode = "block"
+    label_options = ("heads", "layers_per_block", "num_blocks")
+    speed_options = frozenset({"two_phase"})
 
-    def __init__(self, heads: int = 8, layers_per_block: int = 2, random_query_init: bool = False,
-                 eps: float = 1e-6, two_phase: bool = False, logit_scale: Union[None, float, str] = None) -> None:
-        super().__init__(heads=heads, random_query_init=random_query_init, eps=eps, logit_scale=logit_scale)
-        if layers_per_block < 1:
-            raise ValueError(f"layers_per_block must be >= 1, got {layers_per_block}")
+    def __init__(self, heads: int = 8, layers_per_block: Optional[int] = None, num_blocks: Optional[int] = None,
+                 random_query_init: bool = False, eps: float = 1e-6, two_phase: bool = False,
+                 logit_scale: Union[None, float, str] = None, routing_lr_scale: float = 1.0) -> None:
+        super().__init__(heads=heads, random_query_init=random_query_init, eps=eps, logit_scale=logit_scale,
+                         routing_lr_scale=routing_lr_scale)
+        if layers_per_block is not None and num_blocks is not None:
+            raise ValueError(f"give layers_per_block or num_blocks, not both (got {layers_per_block} and {num_blocks})")
+        for name, value in (("layers_per_block", layers_per_block), ("num_blocks", num_blocks)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.layers_per_block = layers_per_block
-        self._two_phase = two_phase
-
-    @property
-    def two_phase(self) -> bool:
-        return self._two_phase
-
-    @two_phase.setter
-    def two_phase(self, value: bool) -> None:
-        self._two_phase, self._router = value, None  # the router is made again with the new option
+        self.num_blocks = num_blocks
+        self.two_phase = two_phase
+        # layers per block; with num_blocks known only once build() sees the depth
+        self.block_layers = layers_per_block or (2 if num_blocks is None else None)
 
     def router_options(self) -> dict:
-        return {"span": 2 * self.layers_per_block, "two_phase": self.two_phase}
+        if self.block_layers is None:
+            raise RuntimeError("BlockAttnRes(num_blocks=...) routes once bound to a model: its block size depends "
+                               "on the depth")
+        return {"span": 2 * self.block_layers, "two_phase": self.two_phase}
 
     def build(self, config: ModelConfig) -> None:
-        if config.num_layers % self.layers_per_block != 0:
-            raise ValueError(
-                f"num_layers {config.num_layers} is not divisible by layers_per_block {self.layers_per_block}"
-            )
+        self.block_layers = self.resolve_block_layers(config.num_layers)
         super().build(config)
+
+    def resolve_block_layers(self, num_layers: int) -> int:
+        """Layers per block at this depth (see the class docstring)."""
+        if self.num_blocks is not None:
+            blocks = max(b for b in range(1, min(self.num_blocks, num_layers) + 1) if num_layers % b == 0)
+            return num_layers // blocks
+        layers = self.layers_per_block or 2
+        if num_layers % layers != 0:
+            raise ValueError(f"num_layers {num_layers} is not divisible by layers_per_block {layers}")
+        return layers

@@ -18,9 +18,18 @@ parameters) and select it by class path:
         class_path: my_pkg.MyResidual
         init_args: {...}
 
-A strategy's identity (what a checkpoint or a converted directory records, what a resume compares, how
-tables name it) comes from its `__init__` arguments, read back from the same-named attributes: store every
-argument as `self.<name>` and `to_config()` / `from_config()` / `method_label()` work without further code.
+A strategy describes itself; every consumer (the training module, run tags and `compare`, conversion,
+export) asks it instead of testing class names:
+
+    __init__ arguments            its options, stored as `self.<name>`: `to_config()` / `from_config()` rebuild it
+    label_options                 the options `method_label()` always shows; every other option that changes the
+                                  function or the training shows whenever it is off its default
+    speed_options                 options that change speed only: left out of `identity()` and the label
+    is_standard_residual          the plain additive residual (transformers' Llama / Qwen3 can express it, and
+                                  `compare` pairs every run against it)
+    preserves_pretrained_function equal to the pretrained model at step 0 when grafted onto its weights
+    routing_parameters(), routing_lr_scale
+                                  the parameters the optimiser gives their own learning rate (lr x routing_lr_scale)
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import importlib
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from torch import Tensor, nn
 
@@ -82,11 +91,16 @@ class ResidualStrategy(nn.Module, ABC):
     @abstractmethod
     def final(self, state: Any) -> Tensor: ...
 
-    # Init arguments that change speed, not the function: a run may resume with other values, so they are left
-    # out of `identity()`. A subclass with other such arguments overrides this.
-    speed_options: frozenset[str] = frozenset({"two_phase"})
-    # Init arguments shown in `method_label()` (those the class takes), in this order.
-    label_options: tuple[str, ...] = ("heads", "streams", "dynamic", "variant", "layers_per_block")
+    # ---------------------------------------------------------------- self-description (module docstring)
+    label_options: ClassVar[tuple[str, ...]] = ()
+    speed_options: ClassVar[frozenset[str]] = frozenset()
+    is_standard_residual: ClassVar[bool] = False
+    preserves_pretrained_function: ClassVar[bool] = False
+    routing_lr_scale: float = 1.0
+
+    def routing_parameters(self) -> list[nn.Parameter]:
+        """The parameters that get their own optimiser group at lr x routing_lr_scale (none by default)."""
+        return []
 
     # ---------------------------------------------------------------- identity
     @classmethod
@@ -106,16 +120,32 @@ class ResidualStrategy(nn.Module, ABC):
         return {"class_path": cls.class_path(), "init_args": init_args}
 
     def identity(self) -> dict[str, Any]:
-        """`to_config()` without the speed options: equal identities compute the same function."""
-        return without_speed_options(self.to_config(), type(self).speed_options)
+        """`to_config()` without the speed options: equal identities are the same method."""
+        return type(self).identity_of(self.to_config())
+
+    @classmethod
+    def identity_of(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The identity a saved `to_config()` dict describes, comparable with `identity()` of this class: speed
+        options and retired arguments dropped and, for a file of this class written before one of its options
+        existed, that option at its default (the file trained with it). Files that stored init_args as
+        "options" are read too."""
+        init_args = dict(config.get("init_args", config.get("options")) or {})
+        if config.get("class_path") == cls.class_path():
+            init_args = {**init_defaults(cls), **init_args}
+        dropped = cls.speed_options | RETIRED_ARGS
+        return {"class_path": config.get("class_path"),
+                "init_args": {k: v for k, v in init_args.items() if k not in dropped}}
 
     def method_label(self) -> str:
-        """The method's name in run tags and `compare` tables: class name plus its main options,
-        e.g. `FullAttnRes(heads=8)`; the standard residual is `StandardResidual`."""
-        names = init_parameters(type(self))
-        options = [f"{k}={getattr(self, k)}" for k in self.label_options if k in names and hasattr(self, k)]
-        name = type(self).__name__
-        return f"{name}({', '.join(options)})" if options else name
+        """The method's name in run tags and `compare` tables: the class name, its `label_options` (unless None)
+        and every other identity option off its default, e.g. `FullAttnRes(heads=8, logit_scale=heads)`;
+        two strategies of different identities get different labels."""
+        cls = type(self)
+        options, defaults = self.identity()["init_args"], init_defaults(cls)
+        shown = [k for k in cls.label_options if options.get(k) is not None]
+        shown += [k for k in options if k not in cls.label_options and options[k] != defaults.get(k, _NO_DEFAULT)]
+        parts = [f"{k}={options[k]}" for k in shown]
+        return f"{cls.__name__}({', '.join(parts)})" if parts else cls.__name__
 
     @staticmethod
     def from_config(config: Mapping[str, Any], allowed: tuple[str, ...] = ALLOWED_PACKAGES,
@@ -152,6 +182,14 @@ def init_parameters(cls: type) -> dict[str, inspect.Parameter]:
     return {n: p for i, (n, p) in enumerate(params.items()) if i > 0 and p.kind not in skip}
 
 
+_NO_DEFAULT = object()
+
+
+def init_defaults(cls: type) -> dict[str, Any]:
+    """The default of every `__init__` argument of `cls` that has one."""
+    return {n: p.default for n, p in init_parameters(cls).items() if p.default is not p.empty}
+
+
 def _takes_any_keyword(cls: type) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(cls.__init__).parameters.values())
 
@@ -166,17 +204,11 @@ def _json_value(value: Any, where: str) -> Any:
     raise TypeError(f"{where} = {value!r} is not JSON-serialisable (None, bool, number, str, list or str-keyed dict)")
 
 
-# Init arguments the routing strategies took before the routing backend and kernel tuning became runtime choices
-# (`set_routing_backend`): checkpoints and converted directories written then list them; they are dropped on read.
-RETIRED_ARGS = frozenset({"backend", "triton_chunk", "triton_group", "triton_options", "triton_shared_buffer"})
-
-
-def without_speed_options(config: Mapping[str, Any], speed_options: frozenset[str]) -> dict[str, Any]:
-    """A to_config() dict without the speed options (also of files that stored init_args as "options")."""
-    init_args = config.get("init_args", config.get("options")) or {}
-    dropped = speed_options | RETIRED_ARGS
-    return {"class_path": config.get("class_path"),
-            "init_args": {k: v for k, v in init_args.items() if k not in dropped}}
+# Init arguments the strategies no longer take, dropped when older checkpoints and converted directories are read:
+# the routing backend and kernel tuning (runtime choices now, `set_routing_backend`) and HyperConnections'
+# dynamic_scale_init (an init value; a saved model holds the trained scales themselves).
+RETIRED_ARGS = frozenset({"backend", "triton_chunk", "triton_group", "triton_options", "triton_shared_buffer",
+                          "dynamic_scale_init"})
 
 
 def resolve_strategy_class(class_path: str, allowed: tuple[str, ...] = ALLOWED_PACKAGES) -> type:

@@ -54,6 +54,8 @@ class DeltaAttnRes(RoutedResidual):
     router: one routing call per site over the listed sources)."""
 
     routing_mode = "call"
+    label_options = ("heads", "layers_per_block")
+    preserves_pretrained_function = True
 
     def __init__(self, heads: int = 8, layers_per_block: int = 4, null_source: bool = True,
                  legacy_block_delta: bool = False, eps: float = 1e-6) -> None:

@@ -27,6 +27,7 @@ from mhar_lit.config import ModelConfig
 from mhar_lit.residual.base import ResidualStrategy
 
 VARIANTS = ("zhu", "mhar_code")
+DYNAMIC_SCALE_INIT = 0.01  # s_a = s_b at init (Zhu et al.)
 
 
 def _rms_normalise(x: Tensor, eps: float) -> Tensor:
@@ -37,8 +38,9 @@ def _rms_normalise(x: Tensor, eps: float) -> Tensor:
 class HyperConnections(ResidualStrategy):
     """n-stream hyper-connections; `dynamic` adds the per-token DHC terms (Zhu et al. F.1)."""
 
-    def __init__(self, streams: int = 4, dynamic: bool = True, variant: str = "zhu",
-                 dynamic_scale_init: float = 0.01, eps: float = 1e-6) -> None:
+    label_options = ("streams", "dynamic", "variant")
+
+    def __init__(self, streams: int = 4, dynamic: bool = True, variant: str = "zhu", eps: float = 1e-6) -> None:
         super().__init__()
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
@@ -47,7 +49,7 @@ class HyperConnections(ResidualStrategy):
         if variant == "mhar_code" and dynamic:
             raise ValueError("variant 'mhar_code' is static only; set dynamic: false")
         self.streams, self.dynamic, self.variant = streams, dynamic, variant
-        self.dynamic_scale_init, self.eps = dynamic_scale_init, eps
+        self.eps = eps
 
     def build(self, config: ModelConfig) -> None:
         sites, n, d = config.num_sites, self.streams, config.hidden_size
@@ -81,8 +83,8 @@ class HyperConnections(ResidualStrategy):
                 self.stream_norm.fill_(1.0)
                 for p in (self.read_proj, self.mix_proj, self.write_proj):
                     p.zero_()
-                self.scale_alpha.fill_(self.dynamic_scale_init)
-                self.scale_beta.fill_(self.dynamic_scale_init)
+                self.scale_alpha.fill_(DYNAMIC_SCALE_INIT)
+                self.scale_beta.fill_(DYNAMIC_SCALE_INIT)
 
     def no_decay_parameter_names(self) -> set[str]:
         # The static connections start at the identity-equivalent (one-hot, I, ones); decaying them toward 0

@@ -16,6 +16,9 @@ from mhar_lit.residual.base import ResidualStrategy
 class StandardResidual(ResidualStrategy):
     """x <- x + sublayer(norm(x)): the additive residual of a pre-norm Transformer (Qwen3, Llama)."""
 
+    is_standard_residual = True
+    preserves_pretrained_function = True
+
     def begin(self, embedding: Tensor) -> Tensor:
         return embedding
 

@@ -60,6 +60,7 @@ def test_fp32_matches_float64_reference(n_sites, heads, d, chunk, group, impl):
 SHARP_DRAWS = 12
 
 
+@pytest.mark.slow
 def test_sharp_softmax_chain_error_is_torch_fp32_sized():
     """Queries of std 2 (logit std ~14 per head at K = 48): 11 nearly one-hot softmaxes in a chain, where fp32
     rounding is amplified for every evaluation and which one is luckier changes per draw (one fixed seed gave a 6-draw
@@ -301,6 +302,7 @@ def test_misaligned_outside_tensors_route_the_same(column_impl):
     assert all(torch.equal(a, b) for a, b in zip(*results)), f"seed {gen.initial_seed()}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_float64_gradcheck(impl):
     gen = fresh_generator()
