@@ -53,7 +53,8 @@ class Acceptance:
 
 def fit_command(work: str, size: str, method: str, steps: int) -> list[str]:
     name = f"{size}-{method}"
-    return [sys.executable, "-m", "mhar_lit", "fit", "--config", f"configs/paper/{size}/{method}.yaml",
+    return [sys.executable, "-m", "mhar_lit", "fit", "--config", f"configs/paper/{size}.yaml",
+            "--config", f"configs/methods/{method}.yaml",
             "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
             "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
             "--trainer.enable_progress_bar", "false", "--checkpoint.every_n_train_steps", str(steps),

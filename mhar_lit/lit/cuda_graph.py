@@ -12,7 +12,7 @@ path taken (captured, or eager and why) is logged once, as a log line and as the
 What capture needs, checked at the first training batch:
 CUDA; no autocast other than bf16 (precision "bf16-true", "bf16-mixed" or "32-true"); no activation
 checkpointing (torch.compile is refused by the constructor already); one process (DDP/FSDP with graphs are not
-tested here); no routing-weight recording inside the training forward (monitors run their own eager pass).
+tested here). Routing monitors run their own eager pass, outside the captured forward.
 
 Mixed precision ("bf16-mixed": fp32 parameters, gradients and AdamW state, bf16 matmuls under autocast) is
 captured with autocast's weight cache off: a bf16 copy of a weight cached before or during capture would be
@@ -86,8 +86,6 @@ def capture_problems(module) -> list[str]:
         problems.append("activation_checkpointing is on")
     if module._trainer is not None and module.trainer.world_size > 1:
         problems.append(f"{module.trainer.world_size} processes: cuda_graph is tested on one device only")
-    if getattr(module.model.residual, "record_weights", False):
-        problems.append("the residual strategy records routing weights inside the training forward")
     return problems
 
 
