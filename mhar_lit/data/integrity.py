@@ -55,6 +55,16 @@ def write_json_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text to a temp file in the same folder, fsync it and rename it over `path`."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def content_digests(paths: list[str], memo_file: Path | None) -> list[str]:
     """sha256 of each file's contents, reusing digests memoized under an unchanged (size, mtime, inode).
 

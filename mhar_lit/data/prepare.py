@@ -33,6 +33,7 @@ Chunks hold whole pieces of at most `chunk_tokens` tokens, and the streaming rea
 from __future__ import annotations
 
 import contextlib
+import queue
 import hashlib
 import json
 import logging
@@ -203,7 +204,10 @@ class _SplitWriter:
         from litdata.streaming.writer import BinaryWriter
 
         if self._writer is None:
-            self._writer = BinaryWriter(str(self.out_dir), chunk_size=self.chunk_tokens, item_loader=TokensLoader())
+            # the message queue takes litdata's "Rank 0 inferred the following data format" line, printed at
+            # every preparation otherwise: the format is always TokensLoader's int32 tensor
+            self._writer = BinaryWriter(str(self.out_dir), chunk_size=self.chunk_tokens, item_loader=TokensLoader(),
+                                        msg_queue=queue.SimpleQueue())
         self._writer.add_item(self.items, torch.from_numpy(np.ascontiguousarray(piece)))
         self.items += 1
 
@@ -388,7 +392,8 @@ def prepare(
     ranks that must not build). `verify` checks a reused dataset's chunk checksums (once per file per process).
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        raise InputError(f"data.val_fraction must be in [0, 1), got {val_fraction} (training keeps the rest of the "
+                         "documents; to score a whole file: python -m mhar_lit perplexity --text_file FILE)")
     specs = [data] if isinstance(data, (str, os.PathLike)) else (None if data is None else [str(d) for d in data])
     if specs is not None and any(find_optimized(s) for s in specs):
         if len(specs) != 1:

@@ -3,7 +3,7 @@
     model.safetensors + mhar_config.json   the converted-directory format (mhar_lit.load_pretrained, lm-eval)
     config.json + modeling_mhar.py + mhar_*.py
                                            transformers with trust_remote_code, without mhar_lit installed
-    tokenizer.json (+ generation_config.json with the EOS id)
+    tokenizer.json + tokenizer_config.json (AutoTokenizer, with the EOS) + generation_config.json (the EOS id)
 
 format="hf" instead writes a plain Llama / Qwen3 directory through mhar_lit.convert.export_hf, which only a
 standard-residual model has.
@@ -17,31 +17,25 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
 from mhar_lit.convert.core import export_hf, save_pretrained
 from mhar_lit.convert.hf_config import ConversionError
 from mhar_lit.convert.io import check_output, staged_directory
 from mhar_lit.export.remote_code import MODELING_FILE, flat_module_name, remote_code_files
-from mhar_lit.export.tokenizer import checkpoint_tokenizer, write_tokenizer
+from mhar_lit.export.tokenizer import write_tokenizer
 
 FORMATS = ("mhar", "hf")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _load(ckpt: str, trust_pickle: bool) -> tuple[Any, dict[str, Any], str]:
-    """The checkpoint's DecoderLM (eval mode, fp32), its datamodule settings and the dtype its weights are stored
-    in (bf16 for a bf16-true run: model_from_checkpoint builds an fp32 model, which holds them exactly)."""
-    from mhar_lit.lit.module import model_from_checkpoint
+def _load(ckpt: str, trust_pickle: bool, allow_unverified: bool, tokenizer: Optional[str]):
+    """The checkpoint's contents (verified, fp32 model, tokenizer source) from the one checkpoint reader."""
+    from mhar_lit.checkpoint import read_checkpoint
 
     try:
-        model = model_from_checkpoint(str(ckpt), trust_pickle=trust_pickle)
-    except (OSError, ValueError) as err:
+        return read_checkpoint(ckpt, tokenizer=tokenizer, trust_pickle=trust_pickle,
+                               allow_unverified=allow_unverified)
+    except OSError as err:
         raise ConversionError(str(err)) from None
-    checkpoint = torch.load(str(ckpt), map_location="cpu", weights_only=not trust_pickle, mmap=True)
-    settings = checkpoint.get("datamodule_hyper_parameters") or {}
-    stored = next((t.dtype for t in checkpoint["state_dict"].values() if t.is_floating_point()), torch.float32)
-    return model, dict(settings) if isinstance(settings, dict) else {}, str(stored).removeprefix("torch.")
 
 
 def _transformers_config(meta: dict[str, Any], dtype: str, eos_id: int) -> dict[str, Any]:
@@ -76,7 +70,7 @@ def _write_mhar(model: Any, out: Path, source: dict[str, Any], dtype: str, token
     """Everything of format "mhar" into the (empty) directory `out`."""
     save_pretrained(model, out, source=source, dtype=dtype, overwrite=True)
     meta = json.loads((out / "mhar_config.json").read_text())
-    eos_id = write_tokenizer(*tokenizer, out, model.config.vocab_size)
+    eos_id = write_tokenizer(*tokenizer, out, model.config.vocab_size, model.config.max_position_embeddings)
     _write_json(out / "config.json", _transformers_config(meta, dtype, eos_id))
     _write_json(out / "generation_config.json", {"eos_token_id": eos_id})
     strategy_module = meta["residual"]["class_path"].rpartition(".")[0]
@@ -86,12 +80,13 @@ def _write_mhar(model: Any, out: Path, source: dict[str, Any], dtype: str, token
 
 def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: Optional[str] = None,
                       overwrite: bool = False, format: str = "mhar", tokenizer: Optional[str] = None,
-                      trust_pickle: bool = False) -> Path:
+                      trust_pickle: bool = False, allow_unverified: bool = False) -> Path:
     """Write the model of a Lightning checkpoint as a standalone directory (see the module docstring).
 
     dtype: float32 / bfloat16 / float16, or None to keep the checkpoint's. tokenizer: 'bytes' or a
     tokenizer.json, instead of the one the run's datamodule recorded. trust_pickle: allow a checkpoint with
-    pickled Python objects (only for files you created). The directory is written beside `out_dir` and
+    pickled Python objects (only for files you created). allow_unverified: accept a checkpoint without a
+    sha256 sidecar (one whose sidecar does not match is always refused). The directory is written beside `out_dir` and
     renamed into place; an existing non-empty `out_dir` is refused unless `overwrite`.
     """
     if format not in FORMATS:
@@ -101,13 +96,14 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, 
     check_output(out_dir, overwrite)  # before loading a large checkpoint
     if Path(out_dir).resolve() in Path(ckpt_path).resolve().parents:
         raise ConversionError(f"output directory {out_dir} contains the checkpoint {ckpt_path}; choose another --to")
-    model, settings, stored = _load(str(ckpt_path), trust_pickle)
+    contents = _load(str(ckpt_path), trust_pickle, allow_unverified, tokenizer)
+    model, stored = contents.model, contents.stored_dtype
     dtype = dtype or (stored if stored in _DTYPES else "float32")
     if format == "hf" and type(model.residual).__name__ != "StandardResidual":
         raise ConversionError(f"--format hf needs a standard-residual model; {ckpt_path} has "
                               f"{type(model.residual).__name__}, which transformers' Llama / Qwen3 cannot express "
                               "(use --format mhar)")
-    spec = checkpoint_tokenizer(settings, tokenizer)
+    spec = contents.tokenizer_source
     source = {"checkpoint": str(Path(ckpt_path).absolute())}
     if format == "hf":
         from mhar_lit.paths import nearest_existing
