@@ -22,6 +22,8 @@ import shutil
 import time
 from pathlib import Path
 
+from mhar_lit.errors import UserError
+
 _BLOCK = 8 * 1024 * 1024
 MANIFEST_NAME = "checksums.json"
 LOCK_NAME = ".lock"
@@ -99,8 +101,8 @@ def write_manifest(root: Path, files: list[Path]) -> dict:
     return entries
 
 
-class CorruptFileError(RuntimeError):
-    """A file whose contents do not match its recorded checksum."""
+class CorruptFileError(UserError):
+    """A file whose contents do not match its recorded checksum (printed as one line by the CLI)."""
 
 
 def verify_manifest(root: Path, rebuild_hint: str) -> int:

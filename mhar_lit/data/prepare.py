@@ -335,9 +335,15 @@ def _rebuild_hint(final: Path) -> str:
             "if this repeats, check the disk.")
 
 
-def verify_prepared(final: Path) -> None:
-    """Check a prepared dataset against its checksums.json (each file once per process); log the cost."""
+def verify_prepared(final: Path, required: bool = True) -> None:
+    """Check a prepared dataset against its checksums.json (each file once per process); log the cost. A cache
+    folder written here always has one, so its absence means the folder was damaged (an error); a prebuilt
+    dataset (required=False) may lack it: its chunks are then read unverified, which is said."""
     if not (final / integrity.MANIFEST_NAME).is_file():
+        if required:
+            raise integrity.CorruptFileError(f"prepared tokens at {final} have no {integrity.MANIFEST_NAME}, so their "
+                                             f"chunks cannot be checked. {_rebuild_hint(final)}")
+        log.warning("%s has no %s: its chunks are read unverified", final, integrity.MANIFEST_NAME)
         return
     start = time.perf_counter()
     read = integrity.verify_manifest(final, _rebuild_hint(final))
@@ -365,7 +371,7 @@ def _prebuilt(spec: str, verify: bool) -> PreparedData:
     found = find_optimized(spec)
     parent = Path(found.train).parent
     if verify and not is_remote(found.train):
-        verify_prepared(parent)  # a dataset written by prepare carries its checksums
+        verify_prepared(parent, required=False)  # one written by `prepare` carries its checksums
     return PreparedData(found.train, found.val, {"prebuilt": True})
 
 
