@@ -20,6 +20,7 @@ from typing import Any, Optional
 from mhar_lit.convert.core import export_hf, save_pretrained
 from mhar_lit.convert.hf_config import ConversionError
 from mhar_lit.convert.io import check_output, staged_directory
+from mhar_lit.errors import UserError
 from mhar_lit.export.remote_code import MODELING_FILE, flat_module_name, remote_code_files
 from mhar_lit.export.tokenizer import write_tokenizer
 
@@ -34,7 +35,7 @@ def _load(ckpt: str, trust_pickle: bool, allow_unverified: bool, tokenizer: Opti
     try:
         return read_checkpoint(ckpt, tokenizer=tokenizer, trust_pickle=trust_pickle,
                                allow_unverified=allow_unverified)
-    except OSError as err:
+    except (OSError, UserError) as err:  # the export's errors are ConversionErrors (UserErrors too)
         raise ConversionError(str(err)) from None
 
 
