@@ -135,8 +135,8 @@ def tokenizer_spec(data_settings: dict[str, Any], override: Optional[str] = None
         return override, eos if eos is not None or override == "bytes" else data_settings.get("eos")
     spec = data_settings.get("tokenizer")
     if not spec:
-        raise UserError(f"{where} records no tokenizer (no datamodule settings saved with it): pass --tokenizer "
-                        "bytes or the path of the tokenizer.json the model was trained with")
+        raise UserError(f"{where} does not record its tokenizer (no datamodule settings saved with it): pass "
+                        "--tokenizer bytes or the path of the tokenizer.json the model was trained with")
     spec, eos = str(spec), eos if eos is not None else data_settings.get("eos")
     if spec.startswith("bpe:"):
         try:
@@ -191,7 +191,7 @@ def read_checkpoint(path: str | os.PathLike, tokenizer: Optional[str] = None, eo
     stored = next((t.dtype for t in checkpoint["state_dict"].values() if t.is_floating_point()), torch.float32)
     contents = CheckpointContents(path, model, settings, str(stored).removeprefix("torch."), verified)
     if with_tokenizer:
-        contents.tokenizer_source = tokenizer_spec(settings, tokenizer, eos, f"recorded in {path}")
+        contents.tokenizer_source = tokenizer_spec(settings, tokenizer, eos, f"the checkpoint {path}")
         where = "--tokenizer" if tokenizer else f"recorded in {path}"
         contents.tokenizer = build_tokenizer(*contents.tokenizer_source, where)
         check_vocabulary(contents.tokenizer, model)

@@ -221,6 +221,18 @@ def test_exported_files(exported):
                 assert not any((n or "").startswith("mhar_lit") for n in names), (path.name, node.lineno)
 
 
+def test_auto_tokenizer_loads_the_export_with_its_eos_and_no_remote_code(exported):
+    """tokenizer_config.json names the fast tokenizer and the EOS: AutoTokenizer needs neither config.json's remote
+    code nor trust_remote_code, and its eos_token is the model's EOS."""
+    from transformers import AutoTokenizer
+
+    folder = exported["cases"]["delta"]["dir"]
+    assert json.loads((folder / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.eos_token_id == 256
+    assert tokenizer("héllo")["input_ids"] == list("héllo".encode())
+
+
 # ---------------------------------------------------------------------------------------------- tokenizer
 def test_byte_tokenizer_json_encodes_and_decodes_like_the_byte_tokenizer(exported):
     from tokenizers import Tokenizer

@@ -271,7 +271,7 @@ def _input_ids(args: Any, model: nn.Module, saved: dict[str, Any]) -> tuple[Tens
         ids, origin = load_token_file(args.tokens_file), {"kind": "tokens_file", "path": args.tokens_file}
     else:
         override = args.tokenizer or (None if saved.get("tokenizer") else "bytes")
-        spec, eos = tokenizer_spec(saved, override, where=f"recorded in {args.ckpt}")  # bpe: its cached file
+        spec, eos = tokenizer_spec(saved, override, where=f"the checkpoint {args.ckpt}")  # bpe: its cached file
         tokenizer = build_tokenizer(spec, eos, "--tokenizer" if args.tokenizer else f"recorded in {args.ckpt}")
         fraction = args.val_fraction if args.val_fraction is not None else saved.get("val_fraction",
                                                                                        DEFAULT_VAL_FRACTION)

@@ -60,10 +60,10 @@ def perplexity_main(argv: Optional[list[str]] = None) -> int:
     from mhar_lit.generation.cli import load_model
 
     loaded = load_model(args)
+    seq_len = default_seq_len(args, loaded)
     from mhar_lit.eval.perplexity import perplexity  # the scoring library function
 
-    ids = loaded.encode(text)
-    result = perplexity(loaded.model, ids, seq_len=default_seq_len(args, loaded), batch_size=args.batch_size)
+    result = perplexity(loaded.model, loaded.encode(text), seq_len=seq_len, batch_size=args.batch_size)
     values = result if isinstance(result, dict) else vars(result)
     print(" ".join(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}"
                    for key, value in values.items()))

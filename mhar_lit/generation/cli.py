@@ -157,7 +157,7 @@ def load_model(args: Any):
     return load_generator(args.ckpt, args.tokenizer, eos, device, dtype, allow_unverified=args.allow_unverified)
 
 
-def run(args: Any, out: TextIO, err: TextIO = sys.stderr) -> None:
+def run(args: Any, out: TextIO, err: Optional[TextIO] = None) -> None:
     import torch
 
     from mhar_lit.generation.decoding import cut_at_stop, generate
@@ -188,7 +188,7 @@ def run(args: Any, out: TextIO, err: TextIO = sys.stderr) -> None:
     out.flush()
     new = sum(len(row) for row in tokens)
     print(f"generate: {new} new tokens in {seconds:.2f} s ({new / max(seconds, 1e-9):,.1f} tokens/s, "
-          f"batch {len(prompts)}, prompt and decode)", file=err)
+          f"batch {len(prompts)}, prompt and decode)", file=err or sys.stderr)
 
 
 @exits_on_user_error(ValueError, FileNotFoundError)  # UserError and the tokenizer / conversion layers' errors
