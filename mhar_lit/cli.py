@@ -85,7 +85,8 @@ def quiet_third_party() -> None:
     if getattr(quiet_third_party, "done", False):
         return
     quiet_third_party.done = True
-    adverts = _DropMessages(r"Tip: .*litlogger", r"Create an account", r"lightning\.ai", r"Lightning Experiments")
+    adverts = _DropMessages(r"Tip: .*litlogger", r"Create an account", r"lightning\.ai", r"Lightning Experiments",
+                            r"Trainer already configured with model summary callbacks")  # ours: see instantiate_trainer
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                  "lightning.pytorch.callbacks.model_summary"):
         logging.getLogger(name).addFilter(adverts)

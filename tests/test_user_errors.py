@@ -275,4 +275,4 @@ def test_a_fit_ends_with_where_its_run_went(tmp_path, capsys, monkeypatch):
     assert f"fit done: run where (MLflow id {run_id}), 3 steps" in printed
     assert "train/loss " in printed and "val/loss " in printed and "tokens/s" in printed
     assert f"checkpoint {tmp_path}/runs/where/checkpoints/last.ckpt" in printed
-    assert f"UI: make ui, then http://127.0.0.1:5000/#/experiments/" in printed and run_id in printed
+    assert "UI: make ui, then http://127.0.0.1:5000/#/experiments/" in printed and run_id in printed

@@ -27,18 +27,19 @@ def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
 
 class FitSummary(L.Callback):
     """Prints, at the end of a fit on global rank zero, the run's name and id, the last train and validation
-    loss, the mean tokens/s of the fit, the checkpoint's path and the run's address in the UI."""
+    loss, the mean tokens/s after the first batch, the checkpoint's path and the run's address in the UI."""
 
     def __init__(self, out: Optional[TextIO] = None) -> None:
         self.out = out
         self._tokens = 0
         self._t0: Optional[float] = None
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._t0, self._tokens = time.perf_counter(), 0
-
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if hasattr(batch, "shape") and len(batch.shape) == 2:
+        """The clock starts at the end of the first batch (start-up, data preparation and compilation are not
+        the training speed); validation pauses stay in, as in the fit's wall time."""
+        if self._t0 is None:
+            self._t0, self._tokens = time.perf_counter(), 0
+        elif hasattr(batch, "shape") and len(batch.shape) == 2:
             self._tokens += batch[:, :-1].numel() * trainer.world_size
 
     def lines(self, trainer) -> list[str]:
