@@ -1,6 +1,6 @@
 """Fault injection for sweeps: SIGKILLs placed where they hurt, every point resumed, nothing lost or changed.
 
-    python benchmarks/fault_injection.py [--seeds 1,2] [--workdir DIR]
+    python benchmarks/fault_injection.py [--seeds 1,2] [--workdir DIR] [--report_only]
 
 1. An uninterrupted sweep (configs/demo.yaml at the tiny size, 12 steps, a validation every 3 steps, a step
    checkpoint every 2; StandardResidual and MHAR x the seeds) into its own sqlite store.
@@ -72,7 +72,7 @@ def compare(sweep_id: str, store: str, env: dict, out: Path) -> dict:
                            "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"compare {sweep_id} failed:\n{done.stderr[-3000:]}")
-    print(done.stdout)
+    print(done.stdout, flush=True)
     return json.loads(out.read_text())
 
 
@@ -101,6 +101,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="1,2", help="seeds of the grid (comma-separated)")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--report_only", action="store_true",
+                        help="compare the two sweeps already in --workdir again, running nothing")
     args = parser.parse_args()
     seeds = [s.strip() for s in args.seeds.split(",") if s.strip()]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fault-injection-")).resolve()
@@ -112,14 +114,16 @@ def main() -> int:
     clean, faulty = f"sqlite:///{workdir}/clean.db", f"sqlite:///{workdir}/faulty.db"
     print(f"workdir {workdir}", flush=True)
     start = time.perf_counter()
-
-    if run(sweep_cmd("clean", clean, workdir, ",".join(seeds)), env, workdir / "clean.log") != 0:
-        raise SystemExit(f"the uninterrupted sweep failed; see {workdir}/clean.log")
-    rc, rounds = run(sweep_cmd("faulty", faulty, workdir, ",".join(seeds)), faulty_env, workdir / "faulty.log"), 0
-    while rc != 0 and rounds < len(seeds) * len(METHODS) + 2:
-        rounds += 1
-        rc = run(sweep_cmd("faulty", faulty, workdir, ",".join(seeds), resume=True), faulty_env,
-                 workdir / "faulty.log")
+    if not args.report_only:
+        if run(sweep_cmd("clean", clean, workdir, ",".join(seeds)), env, workdir / "clean.log") != 0:
+            raise SystemExit(f"the uninterrupted sweep failed; see {workdir}/clean.log")
+        rc = run(sweep_cmd("faulty", faulty, workdir, ",".join(seeds)), faulty_env, workdir / "faulty.log")
+        for _ in range(len(seeds) * len(METHODS) + 2):
+            if rc == 0:
+                break
+            rc = run(sweep_cmd("faulty", faulty, workdir, ",".join(seeds), resume=True), faulty_env,
+                     workdir / "faulty.log")
+    rounds = (workdir / "faulty.log").read_text().count("sweep faulty:") - 1
 
     reference = compare("clean", clean, env, workdir / "clean.json")
     result = compare("faulty", faulty, env, workdir / "faulty.json")
@@ -144,7 +148,7 @@ def main() -> int:
     for key in lost + differ:
         print(f"  {key}: {ref['rows'].get(key, ref['summary'].get(key))} vs "
               f"{got['rows'].get(key, got['summary'].get(key))}")
-    print(json.dumps(summary))
+    print(json.dumps(summary), flush=True)
     ok = len(kills) == resumed == len(ref["rows"]) and not lost and not differ and not points_lost
     return 0 if ok else 1
 
