@@ -353,7 +353,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if argv is None:
             sys.argv[1:] = words
     if debug_enabled():
-        os.environ.setdefault("JSONARGPARSE_DEBUG", "1")  # jsonargparse's own traceback for a parsing error
+        os.environ.setdefault("JSONARGPARSE_DEBUG", "true")  # jsonargparse's own traceback for a parsing error
     if argv is None:
         sys.excepthook = redacting_excepthook
     quiet_third_party()
