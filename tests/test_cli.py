@@ -383,7 +383,7 @@ def test_tool_flags_share_the_underscore_spelling_and_keep_the_hyphenated_one(ca
                            "convert": ["--num_blocks", "--export_hf", "--max_shard_size"],
                            "generate": ["--max_new_tokens", "--prompt_file", "--prompts_jsonl", "--allow_unverified"],
                            "export": ["--trust_checkpoint", "--allow_unverified"],
-                           "perplexity": ["--text_file", "--seq_len", "--batch_size"]}.items():
+                           "perplexity": ["--seq_len", "--batch_size", "--max_tokens"]}.items():
         with pytest.raises(SystemExit):
             main([command, "--help"])
         out = capsys.readouterr().out

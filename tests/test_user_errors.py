@@ -108,8 +108,7 @@ READERS = {
     "generate": ["generate", "--prompt", "x", "--max_new_tokens", "2"],
     "export": ["export", "--to", "{tmp}/out"],
     "probe": ["probe", "--out", "{tmp}/probe", "--tokens", "200", "--no_figures"],
-    "perplexity": ["perplexity", "--text_file", "{tmp}/text.txt"],
-}
+}  # perplexity reads through generate's loader inside mhar_lit.eval.perplexity
 
 
 @pytest.mark.parametrize("reader", sorted(READERS))
@@ -139,8 +138,6 @@ def test_a_checkpoint_without_a_sidecar_is_read_only_when_allowed(reader, tmp_pa
     argv = [word.format(tmp=tmp_path) for word in READERS[reader]] + ["--ckpt", str(ckpt)]
     err = _main_error(argv, capsys)
     assert "has no checksum file m.ckpt.sha256" in err and f"sha256sum {ckpt}" in err
-    if reader == "perplexity":  # its scoring function is another module's; the reading is what is tested here
-        pytest.importorskip("mhar_lit.eval.perplexity", reason="the perplexity library function is not here yet")
     with pytest.raises(SystemExit) as exit_info:
         main(argv + ["--allow_unverified"])
     assert exit_info.value.code in (0, None), capsys.readouterr().err
@@ -208,15 +205,16 @@ def test_generate_decodes_a_jsonl_batch_and_reports_its_speed(tmp_path, capsys):
 def test_perplexity_refuses_what_it_cannot_score_before_loading(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("MHAR_DEBUG", raising=False)
     ckpt = _checkpoint(tmp_path / "m.ckpt")
-    err = _main_error(["perplexity", "--ckpt", str(ckpt), "--text_file", str(tmp_path / "none.txt")], capsys)
-    assert "none.txt: no such file" in err
-    (tmp_path / "blank.txt").write_text("  \n")
+    err = _main_error(["perplexity", "--ckpt", str(ckpt), "--data", str(tmp_path / "none.txt")], capsys)
+    assert "--data" in err and "none.txt: no such file or folder" in err
+    (tmp_path / "blank.txt").write_text("")
     err = _main_error(["perplexity", "--ckpt", str(ckpt), "--text_file", str(tmp_path / "blank.txt")], capsys)
     assert "is empty: nothing to score" in err
-    (tmp_path / "t.txt").write_text("alpha")
-    err = _main_error(["perplexity", "--ckpt", str(ckpt), "--text_file", str(tmp_path / "t.txt"), "--seq_len",
-                       "100000"], capsys)
-    assert "exceeds the model's context" in err
+    err = _main_error(["perplexity", "--ckpt", str(tmp_path / "no.ckpt"), "--data", str(tmp_path / "blank.txt")],
+                      capsys)
+    assert "no.ckpt: neither a checkpoint file nor a converted model directory" in err
+    err = _main_error(["perplexity", "--ckpt", str(ckpt), "--data", "x", "--batch_size", "0"], capsys)
+    assert "--batch_size" in err and "must be >= 1" in err
 
 
 # ----------------------------------------------------------------------------- stores, sweeps, secrets

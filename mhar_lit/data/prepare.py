@@ -399,7 +399,7 @@ def prepare(
     """
     if not 0.0 <= val_fraction < 1.0:
         raise InputError(f"data.val_fraction must be in [0, 1), got {val_fraction} (training keeps the rest of the "
-                         "documents; to score a whole file: python -m mhar_lit perplexity --text_file FILE)")
+                         "documents; to score a whole file: python -m mhar_lit perplexity --data FILE)")
     specs = [data] if isinstance(data, (str, os.PathLike)) else (None if data is None else [str(d) for d in data])
     if specs is not None and any(find_optimized(s) for s in specs):
         if len(specs) != 1:

@@ -1,72 +1,66 @@
-"""`python -m mhar_lit perplexity`: the perplexity of a model on a text file.
+"""`python -m mhar_lit perplexity`: the perplexity of a model on a text file or a prepared corpus.
 
-    python -m mhar_lit perplexity --ckpt runs/.../last.ckpt --text_file held_out.txt [--seq_len 1024]
-    python -m mhar_lit perplexity --ckpt exported/ --text_file held_out.txt --batch_size 4 --device cuda
+    python -m mhar_lit perplexity --ckpt runs/.../last.ckpt --data held_out.txt [--seq_len 1024]
+    python -m mhar_lit perplexity --ckpt exported/ --data data_cache/tokens-<fingerprint> --split val
 
---ckpt is a Lightning .ckpt (sha256-verified by the checkpoint reader; its run's tokenizer) or a directory
-written by `convert` / `export`. The file's text is tokenized whole and scored in windows of --seq_len tokens
-(default: the sequence length the run trained with, else the model's context) by
-mhar_lit.eval.perplexity.perplexity. Prints the token-weighted mean loss, the perplexity and the tokens scored.
+--ckpt is a Lightning .ckpt (read and sha256-verified by the checkpoint reader, with its run's tokenizer) or a
+directory written by `convert` / `export`. --data is a UTF-8 text file (`--text_file` is the same flag) or a
+prepared corpus folder. The scoring is mhar_lit.eval.perplexity.perplexity's; this command checks its
+arguments, calls it and prints the mean loss (nats per token), the perplexity and the tokens scored.
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Any, Optional
+from typing import Optional
 
 from mhar_lit.command_line import command_parser, positive_int
 from mhar_lit.errors import UserError, UserFileNotFoundError, exits_on_user_error
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 def build_parser():
-    from mhar_lit.generation.cli import add_model_arguments
-
     p = command_parser("perplexity", __doc__)
-    add_model_arguments(p)
-    p.add_argument("--text_file", "--text-file", required=True, help="a UTF-8 text file to score")
+    p.add_argument("--ckpt", required=True, help="a Lightning .ckpt written by `fit`, or a converted directory")
+    p.add_argument("--data", "--text_file", "--text-file", required=True,
+                   help="a UTF-8 text file, or a prepared corpus folder (a litdata split, or one holding --split)")
+    p.add_argument("--split", default="val", help="the split folder of a prepared corpus (default val)")
     p.add_argument("--seq_len", "--seq-len", type=positive_int, default=None,
-                   help="tokens per scored window (default: the training sequence length, else the context)")
+                   help="tokens of context per window (default: the model's context)")
     p.add_argument("--batch_size", "--batch-size", type=positive_int, default=8, help="windows per forward")
+    p.add_argument("--max_tokens", "--max-tokens", type=positive_int, default=None,
+                   help="score at most this many predicted tokens (the first ones)")
+    p.add_argument("--tokenizer", default=None, help="override the tokenizer: 'bytes' or a tokenizer.json path")
+    p.add_argument("--eos", default=None, help="EOS token (string or id) for a tokenizer.json")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: bfloat16 on CUDA, float32 elsewhere")
     return p
 
 
-def read_text(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except FileNotFoundError:
-        raise UserFileNotFoundError(f"--text_file {path}: no such file") from None
-    except UnicodeDecodeError as err:
-        raise UserError(f"--text_file {path} is not UTF-8 text (byte {err.start})") from None
-    if not text.strip():
-        raise UserError(f"--text_file {path} is empty: nothing to score")
-    return text
+def check_inputs(ckpt: str, data: str) -> None:
+    """What can be refused before a model loads: a missing checkpoint or data path, an empty text file."""
+    if not os.path.exists(ckpt):
+        raise UserFileNotFoundError(f"--ckpt {ckpt}: neither a checkpoint file nor a converted model directory")
+    if not os.path.exists(data):
+        raise UserFileNotFoundError(f"--data {data}: no such file or folder")
+    if os.path.isfile(data) and os.path.getsize(data) == 0:
+        raise UserError(f"--data {data} is empty: nothing to score")
 
 
-def default_seq_len(args: Any, loaded: Any) -> int:
-    """--seq_len, else the run's training sequence length (a .ckpt records it), capped by the context."""
-    context = loaded.model.config.max_position_embeddings
-    if args.seq_len is not None:
-        if args.seq_len > context:
-            raise UserError(f"--seq_len {args.seq_len} exceeds the model's context of {context} positions")
-        return args.seq_len
-    return min(int(loaded.data_settings.get("seq_len") or context), context)
-
-
-@exits_on_user_error(ValueError, FileNotFoundError)
+@exits_on_user_error(ValueError, FileNotFoundError)  # the scoring function's bad-argument errors too
 def perplexity_main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    text = read_text(args.text_file)  # before the model loads
-    from mhar_lit.generation.cli import load_model
-
-    loaded = load_model(args)
-    seq_len = default_seq_len(args, loaded)
+    check_inputs(args.ckpt, args.data)
     from mhar_lit.eval.perplexity import perplexity  # the scoring library function
 
-    result = perplexity(loaded.model, loaded.encode(text), seq_len=seq_len, batch_size=args.batch_size)
-    values = result if isinstance(result, dict) else vars(result)
-    print(" ".join(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}"
-                   for key, value in values.items()))
+    eos = int(args.eos) if args.eos is not None and str(args.eos).isdigit() else args.eos
+    result = perplexity(args.ckpt, args.data, seq_len=args.seq_len, batch_size=args.batch_size,
+                        tokenizer=args.tokenizer, eos=eos, split=args.split, device=args.device, dtype=args.dtype,
+                        max_tokens=args.max_tokens)
+    print(f"perplexity {result.perplexity:.4f}  loss {result.loss:.4f} nats/token  {result.tokens} tokens "
+          f"({result.windows} windows of {result.seq_len})")
     return 0
 
 
