@@ -165,6 +165,7 @@ def check_point(cmd: list[str], label: str) -> dict[str, Any]:
     from mhar_lit.cli import build_cli
 
     out, err = io.StringIO(), io.StringIO()
+    argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when given args beside a command line of its own
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             build_cli(cmd[4:] + ["--print_config"], run=False)
@@ -172,6 +173,8 @@ def check_point(cmd: list[str], label: str) -> dict[str, Any]:
         if done.code not in (0, None):
             reason = err.getvalue().strip().splitlines()[-1:] or ["invalid arguments"]
             raise UserError(f"grid point {label}: {reason[0].removeprefix('error: ')}") from None
+    finally:
+        sys.argv = argv
     return yaml.safe_load(out.getvalue()) or {}
 
 
