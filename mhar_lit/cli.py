@@ -362,7 +362,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except UserError as err:
         if debug_enabled():
             raise
-        code = report_user_error(UserError(redact_credentials(str(err))))
+        code = report_user_error(err)
     sys.exit(code)
 
 

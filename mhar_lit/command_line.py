@@ -83,7 +83,9 @@ class OneLineErrors:
                 text += f"; {self.unknown_hint}"
         prog = getattr(self, "prog", "").replace(" [options]", "")
         text += f" (see {prog} --help)" if prog and key is not None else ""
-        print(f"error: {text}", file=sys.stderr)
+        from mhar_lit.tracking import redact_credentials
+
+        print(f"error: {redact_credentials(text)}", file=sys.stderr)
         raise SystemExit(USER_ERROR_EXIT)
 
 
