@@ -1,18 +1,22 @@
-"""Fault injection for sweeps: runs killed with SIGKILL at random times, resumed, and nothing lost.
+"""Fault injection for sweeps: SIGKILLs placed where they hurt, every point resumed, nothing lost or changed.
 
-    python benchmarks/fault_injection.py [--kills 4] [--seed 0] [--workdir DIR] [--max_steps 36]
+    python benchmarks/fault_injection.py [--seeds 1,2] [--workdir DIR] [--report_only]
 
-1. An uninterrupted sweep (configs/demo.yaml at a tiny size and few steps, StandardResidual and MHAR x seeds
-   1 and 2) into its own sqlite store.
-2. The same sweep into another store while `--kills` times a random running `fit` child is killed with
-   SIGKILL after a random delay (seeded); `sweep --keep_going` goes on with the next point. Then
-   `sweep --resume` rounds (with kills too, until all are spent) until every point has finished: a killed run
-   continues from its last.ckpt as a new MLflow run tagged resumed_from_run; one killed before its first
-   checkpoint starts again.
-3. `compare` of both sweeps: the finished rows (method, seed, final and tail-mean validation loss) and the
-   per-method summary must be equal; resume is exact on CPU, so equal to 1e-6.
+1. An uninterrupted sweep (configs/demo.yaml at the tiny size, 12 steps, a validation every 3 steps, a step
+   checkpoint every 2; StandardResidual and MHAR x the seeds) into its own sqlite store.
+2. The same sweep into another store, where each point's `fit` kills itself (SIGKILL, through the hooks in
+   benchmarks/fault_hooks) once, in one of the windows that cost data before:
+   - `after_save` at step 6: a step checkpoint at a validating step (the validation of that step was lost);
+   - `after_save` at step 2: a step checkpoint before its step's metrics are logged (a train/loss point lost);
+   - `after_save` at step 12: after the final checkpoint (the resumed fit ends at once: the run was lost);
+   - `in_save` at step 8: inside a checkpoint save (a half-written temp file beside the previous last.ckpt).
+   Then `sweep --resume` rounds until every point has finished.
+3. `compare` of both sweeps (rows: method, seed, final and tail-mean validation loss; per-method summary) must
+   agree to 1e-6 (resume is exact on CPU), every killed point must continue from a checkpoint (a chain of
+   more than one run), and the train/loss history of each chain must have every step of the clean run.
 
-Prints `kills survived: K, runs lost: L` and exits 1 if a run was lost or a number differs.
+Prints `kills: K (resumed from a checkpoint: R), runs lost: L, values differing: D, train/loss points lost: P`
+and a JSON line with the same numbers; exits 1 unless K == R and L == D == P == 0.
 """
 
 from __future__ import annotations
@@ -20,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,53 +31,40 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = f"config={REPO}/configs/methods/baseline.yaml,{REPO}/configs/methods/mhar.yaml"
+HOOKS = Path(__file__).resolve().parent / "fault_hooks"
+METHODS = ("baseline", "mhar")
+WINDOWS = (("after_save", 6), ("after_save", 2), ("after_save", 12), ("in_save", 8))
+MAX_STEPS = 12
 
 
-def fit_args(workdir: Path, max_steps: int) -> list[str]:
-    return ["--model.size", "tiny", "--trainer.max_steps", str(max_steps), "--trainer.val_check_interval", "3",
-            "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1",
-            "--trainer.enable_progress_bar", "false", "--model.warmup_steps", "2", "--model.tail_k", "2",
+def fit_args(workdir: Path) -> list[str]:
+    return ["--model.size", "tiny", "--trainer.max_steps", str(MAX_STEPS), "--trainer.val_check_interval", "3",
+            "--checkpoint.every_n_train_steps", "2", "--trainer.limit_val_batches", "2",
+            "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+            "--trainer.enable_model_summary", "false", "--model.warmup_steps", "2", "--model.tail_k", "2",
             "--data.max_corpus_bytes", "300000", "--data.val_fraction", "0.2", "--data.seq_len", "64",
-            "--data.batch_size", "4",
-            "--data.val_batch_size", "4", "--data.cache_dir", str(workdir / "cache"),
-            "--trainer.default_root_dir", str(workdir / "runs")]
+            "--data.batch_size", "4", "--data.val_batch_size", "4", "--data.cache_dir", str(workdir / "cache"),
+            "--trainer.default_root_dir", str(workdir / "runs"), "--routing_monitor.every_n_steps", "100"]
 
 
-def sweep_cmd(sweep_id: str, store: str, workdir: Path, max_steps: int, resume: bool = False) -> list[str]:
+def sweep_cmd(sweep_id: str, store: str, workdir: Path, seeds: str, resume: bool = False) -> list[str]:
+    methods = ",".join(f"{REPO}/configs/methods/{m}.yaml" for m in METHODS)
     return [sys.executable, "-m", "mhar_lit", "sweep", "--config", str(REPO / "configs/demo.yaml"),
-            "--grid", METHODS, "--grid", "seed_everything=1,2", "--sweep_id", sweep_id, "--tracking_uri", store,
-            "--keep_going", *(["--resume"] if resume else []), "--", *fit_args(workdir, max_steps)]
+            "--grid", f"config={methods}", "--grid", f"seed_everything={seeds}", "--sweep_id", sweep_id,
+            "--tracking_uri", store, "--keep_going", *(["--resume"] if resume else []), "--", *fit_args(workdir)]
 
 
-def children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
+def kill_plan(seeds: list[str], done_dir: Path) -> dict:
+    """One kill per point, the windows taken in turn."""
+    points = [f"{method} seed={seed}" for seed in seeds for method in METHODS]
+    kills = [{"run": point, "where": WINDOWS[i % len(WINDOWS)][0], "step": WINDOWS[i % len(WINDOWS)][1]}
+             for i, point in enumerate(points)]
+    return {"kills": kills, "done_dir": str(done_dir)}
 
 
-def run_with_kills(cmd: list[str], env: dict, rng: random.Random, kills_left: int, log) -> tuple[int, int]:
-    """Run a sweep command; each fit child it starts is, while kills are left, marked for a SIGKILL with
-    probability 0.7 at a random age of 4-30 s (startup, training, a validation or a checkpoint save: a fit
-    here lasts ~20-40 s on 2 cores). Returns (exit code, kills)."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    kills, seen, due = 0, set(), {}
-    while proc.poll() is None:
-        for pid in children(proc.pid):
-            if pid not in seen:
-                seen.add(pid)
-                if kills + len(due) < kills_left and rng.random() < 0.7:
-                    due[pid] = time.monotonic() + rng.uniform(4.0, 30.0)
-        for pid, when in list(due.items()):
-            if time.monotonic() >= when:
-                del due[pid]
-                if pid in children(proc.pid):
-                    os.kill(pid, signal.SIGKILL)
-                    kills += 1
-                    print(f"  killed fit pid {pid} ({kills}/{kills_left} this round)", flush=True)
-        time.sleep(0.2)
-    return proc.returncode, kills
+def run(cmd: list[str], env: dict, log: Path) -> int:
+    with open(log, "a") as out:
+        return subprocess.call(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def compare(sweep_id: str, store: str, env: dict, out: Path) -> dict:
@@ -83,7 +72,7 @@ def compare(sweep_id: str, store: str, env: dict, out: Path) -> dict:
                            "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"compare {sweep_id} failed:\n{done.stderr[-3000:]}")
-    print(done.stdout)
+    print(done.stdout, flush=True)
     return json.loads(out.read_text())
 
 
@@ -101,56 +90,67 @@ def same(a, b, tol: float = 1e-6) -> bool:
     return abs(a - b) <= tol * max(1.0, abs(a)) if isinstance(a, float) else a == b
 
 
+def train_loss_steps(store: str, run_ids: list[str]) -> set[int]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(store)
+    return {m.step for run in run_ids for m in client.get_metric_history(run, "train/loss")}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kills", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max_steps", type=int, default=36)
+    parser.add_argument("--seeds", default="1,2", help="seeds of the grid (comma-separated)")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--report_only", action="store_true",
+                        help="compare the two sweeps already in --workdir again, running nothing")
     args = parser.parse_args()
+    seeds = [s.strip() for s in args.seeds.split(",") if s.strip()]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fault-injection-")).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "kills").mkdir(parents=True, exist_ok=True)
+    plan = workdir / "plan.json"
+    plan.write_text(json.dumps(kill_plan(seeds, workdir / "kills"), indent=1))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    rng = random.Random(args.seed)
+    faulty_env = {**env, "PYTHONPATH": f"{HOOKS}{os.pathsep}{REPO}", "MHAR_FAULT_PLAN": str(plan)}
     clean, faulty = f"sqlite:///{workdir}/clean.db", f"sqlite:///{workdir}/faulty.db"
     print(f"workdir {workdir}", flush=True)
-
-    with open(workdir / "clean.log", "w") as log:
-        rc = subprocess.call(sweep_cmd("clean", clean, workdir, args.max_steps), cwd=REPO, env=env, stdout=log,
-                             stderr=subprocess.STDOUT)
-    if rc != 0:
-        raise SystemExit(f"the uninterrupted sweep failed (rc {rc}); see {workdir}/clean.log")
-
-    kills, rounds = 0, 0
-    with open(workdir / "faulty.log", "w") as log:
-        rc, k = run_with_kills(sweep_cmd("faulty", faulty, workdir, args.max_steps), env, rng, args.kills, log)
-        kills += k
-        while rc != 0 or kills < args.kills:
-            rounds += 1
-            if rounds > 4 * args.kills + 4:
+    start = time.perf_counter()
+    if not args.report_only:
+        if run(sweep_cmd("clean", clean, workdir, ",".join(seeds)), env, workdir / "clean.log") != 0:
+            raise SystemExit(f"the uninterrupted sweep failed; see {workdir}/clean.log")
+        rc = run(sweep_cmd("faulty", faulty, workdir, ",".join(seeds)), faulty_env, workdir / "faulty.log")
+        for _ in range(len(seeds) * len(METHODS) + 2):
+            if rc == 0:
                 break
-            resume = sweep_cmd("faulty", faulty, workdir, args.max_steps, resume=True)
-            rc, k = run_with_kills(resume, env, rng, args.kills - kills, log)
-            kills += k
-            if k == 0 and rc == 0:
-                break
+            rc = run(sweep_cmd("faulty", faulty, workdir, ",".join(seeds), resume=True), faulty_env,
+                     workdir / "faulty.log")
+    rounds = (workdir / "faulty.log").read_text().count("sweep faulty:") - 1
 
-    reference = finished_table(compare("clean", clean, env, workdir / "clean.json"))
-    if any(v != v for values in reference["rows"].values() for v in values):
+    reference = compare("clean", clean, env, workdir / "clean.json")
+    result = compare("faulty", faulty, env, workdir / "faulty.json")
+    ref, got = finished_table(reference), finished_table(result)
+    if any(v != v for values in ref["rows"].values() for v in values):
         raise SystemExit("the uninterrupted sweep logged no validation loss: nothing to compare")
-    result = finished_table(compare("faulty", faulty, env, workdir / "faulty.json"))
-    lost = [key for key in reference["rows"] if key not in result["rows"]]
-    differ = [key for key in reference["rows"] if key in result["rows"]
-              and not same(reference["rows"][key], result["rows"][key])]
-    differ += [m for m in reference["summary"] if not same(reference["summary"][m], result["summary"].get(m, ()))]
-    resumed = sum(len(r["runs"]) - 1 for r in json.loads((workdir / "faulty.json").read_text())["rows"])
-    print(f"kills survived: {kills} ({resumed} continued from a checkpoint), resume rounds: {rounds}, "
-          f"runs lost: {len(lost)}, "
-          f"values differing from the uninterrupted sweep: {len(differ)}")
+    lost = [key for key in ref["rows"] if key not in got["rows"]]
+    differ = [key for key in ref["rows"] if key in got["rows"] and not same(ref["rows"][key], got["rows"][key])]
+    differ += [m for m in ref["summary"] if not same(ref["summary"][m], got["summary"].get(m, ()))]
+    kills = sorted((workdir / "kills").glob("kill-*"))
+    chains = {(r["method"], r["seed"]): r["runs"] for r in result["rows"]}
+    resumed = sum(1 for runs in chains.values() if len(runs) > 1)
+    clean_chains = {(r["method"], r["seed"]): r["runs"] for r in reference["rows"]}
+    points_lost = sum(len(train_loss_steps(clean, clean_chains[key]) - train_loss_steps(faulty, runs))
+                      for key, runs in chains.items() if key in clean_chains)
+    summary = {"kills": len(kills), "resumed_from_checkpoint": resumed, "resume_rounds": rounds,
+               "runs_lost": len(lost), "values_differing": len(differ), "train_loss_points_lost": points_lost,
+               "points": len(ref["rows"]), "seconds": round(time.perf_counter() - start, 1)}
+    print(f"kills: {len(kills)} (resumed from a checkpoint: {resumed}), resume rounds: {rounds}, runs lost: "
+          f"{len(lost)}, values differing from the uninterrupted sweep: {len(differ)}, train/loss points lost: "
+          f"{points_lost}")
     for key in lost + differ:
-        print(f"  {key}: {reference['rows'].get(key, reference['summary'].get(key))} vs "
-              f"{result['rows'].get(key, result['summary'].get(key))}")
-    return 1 if lost or differ else 0
+        print(f"  {key}: {ref['rows'].get(key, ref['summary'].get(key))} vs "
+              f"{got['rows'].get(key, got['summary'].get(key))}")
+    print(json.dumps(summary), flush=True)
+    ok = len(kills) == resumed == len(ref["rows"]) and not lost and not differ and not points_lost
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

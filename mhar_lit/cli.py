@@ -1,7 +1,11 @@
-"""`python -m mhar_lit COMMAND ...`: LightningCLI (fit / validate / test / predict) plus the package's own tools,
-all with jsonargparse's conventions (`--flag_name value`, `--help` on every command). `python -m mhar_lit --help`
-lists them. A mistake in what was given prints one line `error: ...` and exits 2; `--debug` anywhere on the
-command line (or MHAR_DEBUG=1) shows the traceback instead.
+"""`python -m mhar_lit COMMAND ...`: LightningCLI (fit / validate / test / predict) plus the package's own tools.
+
+Every command parses with jsonargparse, as LightningCLI does (mhar_lit.command_line): `--flag_name value`
+(a tool's hyphenated spellings are accepted too), `--help` on every command, `python -m mhar_lit --help`
+lists them. lm_eval alone takes lm-evaluation-harness's own flags. A mistake in what was given (a flag, a
+key, a value, a path, a checkpoint) prints one line `error: ...`, with the close matches of an unknown key,
+and exits 2 from every command; `--debug` anywhere on the command line (or MHAR_DEBUG=1) shows the traceback
+instead. Passwords in URIs are replaced by `***` in whatever is printed, tracebacks included.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import sys
 import warnings
 from typing import Optional
 
-from mhar_lit.errors import UserError, debug_enabled, report_user_error
+from mhar_lit.errors import UserError, UserFileNotFoundError, debug_enabled, report_user_error
 from mhar_lit.tracking import DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI, redact_credentials, run_name_method
 
 PROG = "python -m mhar_lit"
@@ -39,6 +43,8 @@ TOOLS = {
                  "continue a prompt from a checkpoint or converted directory (KV cache, greedy or sampled)"),
     "export": ("mhar_lit.export.cli:export_main",
                "a trained checkpoint as a standalone directory (safetensors, tokenizer, transformers remote code)"),
+    "perplexity": ("mhar_lit.eval.perplexity_cli:perplexity_main",
+                   "perplexity of a checkpoint or converted directory on a text file"),
 }
 
 
@@ -79,10 +85,13 @@ def quiet_third_party() -> None:
     if getattr(quiet_third_party, "done", False):
         return
     quiet_third_party.done = True
-    adverts = _DropMessages(r"Tip: .*litlogger", r"Create an account", r"lightning\.ai", r"Lightning Experiments")
+    adverts = _DropMessages(r"Tip: .*litlogger", r"Create an account", r"lightning\.ai", r"Lightning Experiments",
+                            r"Trainer already configured with model summary callbacks")  # ours: see instantiate_trainer
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                  "lightning.pytorch.callbacks.model_summary"):
         logging.getLogger(name).addFilter(adverts)
+    # litdata's StreamingDataset sizes itself per rank and worker; Lightning's generic caution does not apply
+    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     for category in (DeprecationWarning, FutureWarning, PendingDeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=r"lightning(_fabric|_utilities)?(\.|$)")
         warnings.filterwarnings("ignore", category=category, module=r"litdata(\.|$)")
@@ -96,13 +105,14 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
     from lightning.pytorch.loggers import MLFlowLogger
 
-    from lightning.pytorch.callbacks import ProgressBar
+    from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 
+    from mhar_lit.command_line import OneLineErrors
     from mhar_lit.data.datamodule import TokenDataModule
     from mhar_lit.lit.callbacks import (LogCheckpointArtifact, OneCopyCheckpoint, RoutingMonitor, SpeedMonitor,
                                         StepProgressBar)
-    from mhar_lit.lit.checkpoint_io import AtomicCheckpointIO
     from mhar_lit.lit.module import LanguageModel
+    from mhar_lit.lit.summary import summary_callbacks
     from mhar_lit.lit.routing_backend import RoutingBackend
 
     class MLflowSaveConfig(SaveConfigCallback):
@@ -127,8 +137,9 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
                 with open(os.path.join(trainer.log_dir, "config.yaml"), "w") as fh:
                     fh.write(text)
 
-    class RedactingParser(LightningArgumentParser):
-        """Dumps (`--print_config`, the saved config) with passwords in URIs replaced by `***`."""
+    class RedactingParser(OneLineErrors, LightningArgumentParser):
+        """Dumps (`--print_config`, the saved config) with passwords in URIs replaced by `***`; errors in one line
+        with the close matches of an unknown key (mhar_lit.command_line)."""
 
         def dump(self, *args, **kwargs) -> str:
             return redact_credentials(super().dump(*args, **kwargs))
@@ -144,21 +155,46 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             refuses a checkpoint whose model or strategy differs from it, naming both."""
 
         def before_instantiate_classes(self) -> None:
+            from mhar_lit.run_folder import apply_run_name
+
             config = self.config[self.subcommand] if self.subcommand else self.config
+            apply_run_name(config)
             check_run_inputs(self.subcommand, config)
             name_unnamed_mlflow_run(config)
 
+        def instantiate_classes(self) -> None:
+            """A bad value that a constructor refuses (heads that do not divide the width, a val_fraction out of
+            range, a missing file) is a user error naming the setting, not a traceback."""
+            try:
+                super().instantiate_classes()
+            except (UserError, SystemExit):
+                raise
+            except (ValueError, FileNotFoundError) as err:
+                if debug_enabled():
+                    raise
+                kind = UserFileNotFoundError if isinstance(err, FileNotFoundError) else UserError
+                raise kind(f"{setting_of(err)}{err}") from err
+
         def instantiate_trainer(self, **kwargs):
-            """The step progress bar by default, unless the config disables the bar or brings its own."""
+            """The step progress bar by default, unless the config disables the bar or brings its own; the fit
+            summary; the atomic, verified checkpoint I/O beside any plugin the config gives."""
             settings = (self.config_init[self.subcommand] if self.subcommand else self.config_init)["trainer"]
             callbacks = settings.get("callbacks") or []
             callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
             if settings.get("enable_progress_bar") is not False and not any(
                     isinstance(c, ProgressBar) for c in callbacks):
-                kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+                callbacks = [*callbacks, StepProgressBar()]
+            if settings.get("enable_model_summary") is not False and not any(
+                    isinstance(c, ModelSummary) for c in callbacks):
+                callbacks.append(ModelSummary())  # the logged table (Rich's prints "Total FLOPs: 0", uncounted)
+            kwargs["callbacks"] = [*callbacks, *summary_callbacks(callbacks)]
+            kwargs["plugins"] = with_atomic_checkpoint_io(settings.get("plugins"))
             return super().instantiate_trainer(**kwargs)
 
         def add_arguments_to_parser(self, parser) -> None:
+            parser.add_argument("--run_name", type=Optional[str], default=None,
+                                help="name the run: its MLflow run name and a stable checkpoint folder "
+                                     "<default_root_dir>/NAME/checkpoints, which --ckpt_path last resumes from")
             parser.add_lightning_class_args(OneCopyCheckpoint, "checkpoint")
             parser.add_lightning_class_args(SpeedMonitor, "speed")
             parser.add_lightning_class_args(RoutingMonitor, "routing_monitor")
@@ -188,25 +224,67 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
         seed_everything_default=42,
         save_config_callback=MLflowSaveConfig,
         save_config_kwargs={"save_to_log_dir": False},
-        # checkpoints written next to their destination, fsynced, renamed, with a verified sha256 sidecar
-        trainer_defaults={"callbacks": [LogCheckpointArtifact()], "plugins": [AtomicCheckpointIO()]},
+        # the checkpoint I/O (atomic saves, verified sha256 sidecars) is added in instantiate_trainer: as a default
+        # here it was replaced by any --trainer.plugins, and jsonargparse warned it cannot serialise it
+        trainer_defaults={"callbacks": [LogCheckpointArtifact()]},
         parser_kwargs={"default_env": True, "prog": PROG},
         parser_class=RedactingParser,
         auto_configure_optimizers=False,
     )
 
 
+def with_atomic_checkpoint_io(plugins) -> list:
+    """The config's plugins plus AtomicCheckpointIO, unless they bring a CheckpointIO of their own (then its
+    saves are neither atomic nor verified, which is said once)."""
+    from lightning.fabric.plugins import CheckpointIO
+
+    from mhar_lit.lit.checkpoint_io import AtomicCheckpointIO
+
+    plugins = list(plugins) if isinstance(plugins, (list, tuple)) else ([plugins] if plugins is not None else [])
+    own = [p for p in plugins if isinstance(p, CheckpointIO) and not isinstance(p, AtomicCheckpointIO)]
+    if own:
+        logging.getLogger(__name__).warning(
+            "trainer.plugins brings its own checkpoint I/O (%s): checkpoints are saved without mhar_lit's atomic "
+            "writes and sha256 sidecars, and a resume cannot verify them", type(own[0]).__name__)
+        return plugins
+    if not any(isinstance(p, AtomicCheckpointIO) for p in plugins):
+        plugins.append(AtomicCheckpointIO())
+    return plugins
+
+
+def setting_of(err: BaseException) -> str:
+    """`model.residual: ` (or `model: `, `data: `, `trainer: `) for an error raised while that part of the config
+    was built: the innermost constructor or method on the traceback whose object is one of them."""
+    import lightning as L
+
+    from mhar_lit.residual.base import ResidualStrategy
+
+    kinds = ((ResidualStrategy, "model.residual"), (L.LightningModule, "model"), (L.LightningDataModule, "data"),
+             (L.Trainer, "trainer"), (L.Callback, "trainer.callbacks"))
+    frames, tb = [], err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        owner = frame.f_locals.get("self")
+        for cls, name in kinds:
+            if isinstance(owner, cls):
+                return f"{name}: "
+    return ""
+
+
 def check_run_inputs(subcommand: Optional[str], config) -> None:
     """Refuse, before a model is built or an MLflow run opened, what would otherwise fail late or run wrong:
-    a checkpoint file torch cannot read, an evaluation of a randomly initialised model, a root folder that
+    a checkpoint file torch cannot read or whose sha256 sidecar does not verify, an evaluation of a randomly initialised model, a root folder that
     cannot be written (found by Lightning only at the first checkpoint save, after training)."""
-    from mhar_lit.lit.module import check_checkpoint_file
+    from mhar_lit.checkpoint import check_checkpoint_file, verify_checkpoint
 
     ckpt = config.get("ckpt_path")
-    special = ckpt in ("last", "best", "hpc") or str(ckpt).startswith("registry")  # Lightning resolves these
+    special = ckpt in ("best", "hpc") or str(ckpt).startswith("registry")  # Lightning resolves these
     # a directory is a sharded FSDP checkpoint (configs/midtrain-llama-8b.yaml): Lightning's strategy reads it
     if ckpt and "://" not in str(ckpt) and not special and not os.path.isdir(ckpt):
         check_checkpoint_file(str(ckpt))
+        verify_checkpoint(str(ckpt))  # before an MLflow run opens; Lightning's load verifies again
     init_from = (config.get("model") or {}).get("init_from")
     if subcommand in ("validate", "test", "predict") and not ckpt and not init_from:
         raise UserError(f"`{subcommand}` without --ckpt_path (or model.init_from) would score a randomly "
@@ -260,6 +338,13 @@ def run_command(words: list[str], from_sys_argv: bool = False) -> int:
     return 0
 
 
+def redacting_excepthook(kind, value, tb) -> None:
+    """Print a traceback with passwords in URIs replaced by `***` (an unreachable server's error names its URI)."""
+    import traceback
+
+    sys.stderr.write(redact_credentials("".join(traceback.format_exception(kind, value, tb))))
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     words = list(sys.argv[1:] if argv is None else argv)
     if "--debug" in words:  # for this process and the runs a sweep starts
@@ -267,6 +352,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         os.environ["MHAR_DEBUG"] = "1"
         if argv is None:
             sys.argv[1:] = words
+    if debug_enabled():
+        os.environ.setdefault("JSONARGPARSE_DEBUG", "true")  # jsonargparse's own traceback for a parsing error
+    if argv is None:
+        sys.excepthook = redacting_excepthook
     quiet_third_party()
     try:
         code = run_command(words, from_sys_argv=argv is None)

@@ -28,8 +28,10 @@ def debug_enabled() -> bool:
 
 
 def report_user_error(err: BaseException) -> int:
-    """Print `error: MESSAGE` to stderr and return the exit code for it."""
-    print(f"error: {err}", file=sys.stderr)
+    """Print `error: MESSAGE` to stderr (a URI's password shown as ***) and return the exit code for it."""
+    from mhar_lit.tracking import redact_credentials
+
+    print(f"error: {redact_credentials(str(err))}", file=sys.stderr)
     return USER_ERROR_EXIT
 
 

@@ -33,9 +33,10 @@ import subprocess
 import sys
 from typing import Any, Optional
 
+from mhar_lit.command_line import command_parser
 from mhar_lit.errors import UserError, exits_on_user_error
 from mhar_lit.tracking import (DEFAULT_EXPERIMENT, DEFAULT_TRACKING_URI, check_store_schema,
-                               is_standard_residual_run, local_store_path, reap_dead_runs)
+                               is_standard_residual_run, local_store_path, reap_dead_runs, redact_credentials)
 
 
 def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
@@ -61,25 +62,9 @@ def fit_command(configs: list[str], point: dict[str, str], sweep_id: str, extra:
         cmd += ["--config", value] if key == "config" else [f"--{key}", value]
     # Not JSON: jsonargparse would parse a JSON-looking tag value into a dict, which MLflow rejects.
     tags = {"sweep_id": sweep_id, "sweep_point": point_tag(point)}
-    run_name = f"{sweep_id}/" + ",".join(f"{k.split('.')[-1]}={v.split('/')[-1]}" for k, v in point.items())
+    run_name = f"{point_label(point)} ({sweep_id})"
     cmd += ["--trainer.logger.init_args.tags", json.dumps(tags), "--trainer.logger.init_args.run_name", run_name]
     return cmd + extra
-
-
-def _parser(prog: str, description: str):
-    from jsonargparse import ArgumentParser
-
-    return ArgumentParser(prog=f"python -m mhar_lit {prog}", description=description,
-                          formatter_class=_raw_description())
-
-
-def _raw_description():
-    """jsonargparse's help formatter keeping the description's line breaks (its usage examples)."""
-    import argparse
-
-    from jsonargparse import DefaultHelpFormatter
-
-    return type("RawDescriptionHelpFormatter", (argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter), {})
 
 
 SWEEP_HELP = """Runs the cross product of the grid as separate `fit` processes, one MLflow run each, tagged with one
@@ -97,7 +82,7 @@ StandardResidual run of the same seed and lr, and per method the mean and spread
 
 
 def build_sweep_parser():
-    parser = _parser("sweep", SWEEP_HELP)
+    parser = command_parser("sweep", SWEEP_HELP, unknown_hint=FIT_ARGS_HINT)
     parser.add_argument("--config", action="append", required=True, help="base config file(s), repeatable")
     parser.add_argument("--grid", action="append", default=[], help="key=v1,v2 (repeatable)")
     parser.add_argument("--sweep_id", "--sweep-id", default=None, help="default: sw-<date>-<random>")
@@ -115,6 +100,8 @@ def build_sweep_parser():
 
 
 TRACKING_URI_FLAG = "--trainer.logger.init_args.tracking_uri"
+FIT_ARGS_HINT = ("arguments for every `fit` go after `--`: python -m mhar_lit sweep --config C --grid K=V1,V2 -- "
+                 "--trainer.max_steps 30")
 
 
 def sweep_tracking_uri(args: Any, extra: list[str]) -> str:
@@ -148,8 +135,68 @@ def resume_plan(tracking_uri: str, experiment: str, sweep_id: str, point: dict[s
     return "start", "no checkpoint to resume from" if chains else "no run yet"
 
 
+def point_label(point: dict[str, str]) -> str:
+    """What differs between a sweep's runs, first in their names (MLflow's run list cuts long names): `mhar seed=1`
+    for config=configs/methods/mhar.yaml and seed_everything=1."""
+    parts = []
+    for key, value in point.items():
+        if key == "config":
+            parts.append(os.path.splitext(os.path.basename(value))[0])
+        else:
+            parts.append(f"{'seed' if key == 'seed_everything' else key.split('.')[-1]}={value.split('/')[-1]}")
+    return " ".join(parts) or "run"
+
+
 def point_tag(point: dict[str, str]) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(point.items()))
+
+
+def check_point(cmd: list[str], label: str) -> dict[str, Any]:
+    """Parse one point's `fit` arguments with the real LightningCLI parser, in this process, without training:
+    a grid value naming a missing config or a key `fit` does not have fails the sweep before its first fit.
+    Returns the resolved settings."""
+    import contextlib
+    import io
+
+    import yaml
+
+    from mhar_lit.cli import build_cli
+
+    out, err = io.StringIO(), io.StringIO()
+    argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when given args beside a command line of its own
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            build_cli(cmd[4:] + ["--print_config"], run=False)
+    except SystemExit as done:
+        if done.code not in (0, None):
+            reason = err.getvalue().strip().splitlines()[-1:] or ["invalid arguments"]
+            raise UserError(f"grid point {label}: {reason[0].removeprefix('error: ')}") from None
+    finally:
+        sys.argv = argv
+    return yaml.safe_load(out.getvalue()) or {}
+
+
+def no_validation_reason(settings: dict[str, Any]) -> Optional[str]:
+    """Why a fit with these settings never validates (so `compare` has no final or tail value), or None."""
+    trainer, data = settings.get("trainer") or {}, settings.get("data") or {}
+    if trainer.get("limit_val_batches") in (0, 0.0):
+        return "trainer.limit_val_batches is 0"
+    if data.get("val_fraction") in (0, 0.0):
+        return "data.val_fraction is 0 (no held-out documents)"
+    every, steps = trainer.get("val_check_interval"), trainer.get("max_steps")
+    if (isinstance(every, int) and not isinstance(every, bool) and trainer.get("check_val_every_n_epoch") is None
+            and isinstance(steps, int) and 0 < steps < every):
+        return f"trainer.val_check_interval {every} > trainer.max_steps {steps}"
+    return None
+
+
+def check_points(commands: list[tuple[str, list[str]]]) -> None:
+    """Every point parsed before the first fit (check_point); a warning for points that will never validate."""
+    for label, cmd in commands:
+        reason = no_validation_reason(check_point(cmd, label))
+        if reason:
+            print(f"sweep: warning: {label} will never validate ({reason}): compare will show its final, tail and "
+                  "delta as -", file=sys.stderr, flush=True)
 
 
 @exits_on_user_error()
@@ -167,6 +214,7 @@ def sweep_main(argv: Optional[list[str]] = None) -> int:
     points = grid_points(parse_grid(args.grid))
     sweep_id = args.sweep_id or f"sw-{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
     print(f"sweep {sweep_id}: {len(points)} runs{' planned (dry run)' if args.dry_run else ''}", flush=True)
+    check_points([(point_label(p), fit_command(args.config, p, sweep_id, extra)) for p in points])
     failures = 0
     for index, point in enumerate(points, 1):
         cmd = fit_command(args.config, point, sweep_id, extra)
@@ -177,7 +225,7 @@ def sweep_main(argv: Optional[list[str]] = None) -> int:
                 continue
             if action == "resume":
                 cmd += ["--ckpt_path", detail]
-        print(f"[{index}/{len(points)}] {' '.join(cmd[1:])}", flush=True)
+        print(f"[{index}/{len(points)}] {redact_credentials(' '.join(cmd[1:]))}", flush=True)
         if args.dry_run:
             continue
         code = subprocess.call(cmd)
@@ -200,7 +248,7 @@ def collect_runs(sweep_id: str, tracking_uris: str | list[str], experiment: str)
     uris = [tracking_uris] if isinstance(tracking_uris, str) else list(tracking_uris)
     rows = [row for uri in uris for row in _store_runs(sweep_id, uri, experiment)]
     if not rows:
-        raise SystemExit(f"error: no runs tagged sweep_id={sweep_id!r} in experiment {experiment!r} at "
+        raise UserError(f"no runs tagged sweep_id={sweep_id!r} in experiment {experiment!r} at "
                          f"{', '.join(uris)}")
     return rows
 
@@ -209,7 +257,7 @@ def require_existing_store(tracking_uri: str) -> None:
     """Reading commands must not create a store: MLflow makes an empty one (and its folders) at a mistyped path."""
     path = local_store_path(tracking_uri)
     if path is not None and not os.path.exists(path):
-        raise SystemExit(f"error: no MLflow store at {path} (tracking URI {tracking_uri})")
+        raise UserError(f"no MLflow store at {path} (tracking URI {tracking_uri})")
 
 
 def _store_runs(sweep_id: str, tracking_uri: str, experiment: str) -> list[dict[str, Any]]:
@@ -315,7 +363,7 @@ def check_duplicates(chains: list[dict[str, Any]]) -> None:
     for c in filter(finished, chains):
         key = (c["method"], c["seed"], tuple(sorted(c["settings"].items())))
         if key in seen:
-            raise SystemExit(f"error: two finished runs of {c['method']} at seed {c['seed']} with the same "
+            raise UserError(f"two finished runs of {c['method']} at seed {c['seed']} with the same "
                              f"settings: {seen[key]['name']!r} and {c['name']!r} (a run started again instead of "
                              "resumed, or a sweep run twice); delete one of them or give them different seeds")
         seen[key] = c
@@ -334,7 +382,7 @@ def add_paired_deltas(rows: list[dict[str, Any]], metric: str) -> None:
             continue
         key = (r["seed"], r["lr"])
         if key in baselines:  # pairing against an arbitrary one of them would be silently wrong
-            raise SystemExit(f"error: two baseline runs at seed {key[0]} and lr {key[1]}: "
+            raise UserError(f"two baseline runs at seed {key[0]} and lr {key[1]}: "
                              f"{baselines[key].get('name')!r} and {r.get('name')!r}; give the sweep one baseline "
                              "per (seed, lr), or delete one of them")
         baselines[key] = r
@@ -392,6 +440,11 @@ def format_table(rows: list[dict[str, Any]], summary: list[dict[str, Any]], metr
     for s in summary:
         lines.append(f"{s['method']:<{width}} {s['runs']:>5} {_number(s['mean'], '.4f', 18)} "
                      f"{_number(s['delta_mean'], '+.4f', 13)} {_spread(s)}")
+    empty = [r for r in rows if math.isnan(r["final"])]
+    if empty:
+        lines += ["", f"{len(empty)} run(s) logged no validation loss, so their final, tail and delta are -: "
+                      "trainer.val_check_interval larger than trainer.max_steps, no held-out data, or killed before "
+                      "the first validation"]
     unfinished = sum(s["unfinished"] for s in summary)
     lines += ["", "state: done (the run, or its last resumed continuation, finished), else MLflow's status at the "
                   "step of the last validation;"]
@@ -406,7 +459,7 @@ def format_table(rows: list[dict[str, Any]], summary: list[dict[str, Any]], metr
 
 
 def build_compare_parser():
-    parser = _parser("compare", COMPARE_HELP)
+    parser = command_parser("compare", COMPARE_HELP)
     parser.add_argument("--sweep", required=True, help="sweep id printed by `sweep`")
     parser.add_argument("--tracking_uri", "--tracking-uri", action="append", default=None,
                         help=f"MLflow store; repeat to pool several (default {DEFAULT_TRACKING_URI})")

@@ -20,8 +20,11 @@ DEFAULT_EXPERIMENT = "mhar_lit"
 
 
 def disable_telemetry_by_default() -> None:
-    """MLFLOW_DISABLE_TELEMETRY=true unless the user set it (MLFLOW_DISABLE_TELEMETRY=false opts back in)."""
+    """MLFLOW_DISABLE_TELEMETRY=true unless the user set it (MLFLOW_DISABLE_TELEMETRY=false opts back in). Also
+    MLflow's "View run ... at: URL" line, which prints a server URI with its password: the fit summary prints
+    the run's address with the password redacted instead."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
 disable_telemetry_by_default()
@@ -120,13 +123,23 @@ def check_store_schema(path: str, tracking_uri: str) -> None:
 
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
-    with contextlib.closing(sqlite3.connect(path)) as db:  # (read-only mode fails on a store left with a WAL)
-        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        if not tables:
-            return
-        version = None
-        if "alembic_version" in tables:
-            version = next(iter(db.execute("SELECT version_num FROM alembic_version")), (None,))[0]
+    try:
+        with contextlib.closing(sqlite3.connect(path)) as db:  # (read-only mode fails on a store left with a WAL)
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if not tables:
+                return
+            version = None
+            if "alembic_version" in tables:
+                version = next(iter(db.execute("SELECT version_num FROM alembic_version")), (None,))[0]
+            pages = db.execute("PRAGMA page_count").fetchone()[0] * db.execute("PRAGMA page_size").fetchone()[0]
+        if pages > os.path.getsize(path):  # sqlite finds a cut file only when it reads a missing page, mid-run
+            raise sqlite3.DatabaseError(f"database disk image is malformed: {os.path.getsize(path)} bytes of "
+                                        f"{pages}")
+    except sqlite3.DatabaseError as err:  # truncated or overwritten: "database disk image is malformed"
+        raise UserError(
+            f"the MLflow store {path} cannot be read ({err}): the file is damaged (truncated, or not an sqlite "
+            f"database). Move it away to start a new store, or try to recover its runs with "
+            f"`sqlite3 {path} .recover | sqlite3 recovered.db` and use recovered.db") from None
     missing = [t for t in EXPECTED_TABLES if t not in tables]
     head = _latest_schema_revision()
     if missing or (head is not None and version != head):

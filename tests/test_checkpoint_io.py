@@ -74,13 +74,19 @@ def test_flipped_bytes_are_refused_naming_the_file(tmp_path):
         make_trainer(tmp_path, max_steps=4).fit(TinyModel(), ckpt_path=last)
 
 
-def test_a_checkpoint_without_a_sidecar_loads_with_a_warning(tmp_path):
+def test_a_checkpoint_without_a_sidecar_is_refused_until_its_checksum_is_recorded(tmp_path):
+    """Unchecked bytes could resume a corrupted run (flipped bytes, no sidecar: train/loss 0.0): refused, with the
+    command that records the checksum of a file the user trusts; once recorded, the file loads."""
+    from mhar_lit.checkpoint import UnverifiedCheckpointError, record_checksum
+
     make_trainer(tmp_path, max_steps=2).fit(TinyModel())
     last = tmp_path / "ckpt" / "last.ckpt"
     sidecar_path(last).unlink()
-    with pytest.warns(UserWarning, match="no checksum file last.ckpt.sha256"):
-        loaded = AtomicCheckpointIO().load_checkpoint(last, weights_only=False)
-    assert loaded["global_step"] == 2
+    with pytest.raises(UnverifiedCheckpointError, match=rf"no checksum file last.ckpt.sha256.*sha256sum {last}"):
+        make_trainer(tmp_path, max_steps=4).fit(TinyModel(), ckpt_path=last)
+    record_checksum(last)
+    assert sidecar_path(last).read_text() == f"{sha256(last)}  last.ckpt\n"  # what sha256sum writes
+    assert AtomicCheckpointIO().load_checkpoint(last, weights_only=False)["global_step"] == 2
 
 
 def test_removing_a_checkpoint_removes_its_sidecar(tmp_path):

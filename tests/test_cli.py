@@ -343,7 +343,8 @@ def test_user_strategy_selected_by_class_path_without_editing_the_model(tmp_path
 
 
 # ----------------------------------------------------------------------------- the terminal
-COMMANDS = ["fit", "validate", "test", "predict", "sweep", "compare", "probe", "convert", "lm_eval"]
+COMMANDS = ["fit", "validate", "test", "predict", "sweep", "compare", "probe", "convert", "lm_eval", "generate",
+            "export", "perplexity"]
 
 
 def _run_module(*args, cwd, env_extra=None, timeout=300):
@@ -380,7 +381,10 @@ def test_tool_flags_share_the_underscore_spelling_and_keep_the_hyphenated_one(ca
 
     for command, flags in {"sweep": ["--sweep_id", "--dry_run", "--keep_going"], "compare": ["--tracking_uri"],
                            "probe": ["--tokens_file", "--seq_len", "--batch_size", "--tracking_uri", "--run_id"],
-                           "convert": ["--num_blocks", "--export_hf", "--max_shard_size"]}.items():
+                           "convert": ["--num_blocks", "--export_hf", "--max_shard_size"],
+                           "generate": ["--max_new_tokens", "--prompt_file", "--prompts_jsonl", "--allow_unverified"],
+                           "export": ["--trust_checkpoint", "--allow_unverified"],
+                           "perplexity": ["--seq_len", "--batch_size", "--max_tokens"]}.items():
         with pytest.raises(SystemExit):
             main([command, "--help"])
         out = capsys.readouterr().out

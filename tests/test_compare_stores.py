@@ -8,6 +8,16 @@ import pytest
 from mhar_lit.sweep import DEFAULT_EXPERIMENT, compare_main
 
 
+def assert_refused(main, argv, message, capsys):
+    """A refused input: exit code 2 and one line `error: ...` matching `message` on stderr."""
+    import re
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and re.search(message, err), err
+
+
 def _log_run(uri, method, seed, lr, tail):
     from mlflow.tracking import MlflowClient
 
@@ -34,19 +44,18 @@ def test_compare_pairs_across_stores_and_refuses_two_baselines(tmp_path, capsys)
     assert rows["FullAttnRes(heads=1)"]["delta"] != rows["FullAttnRes(heads=1)"]["delta"]  # NaN: unpaired
 
     _log_run(b, "StandardResidual", 1, "0.001", 1.52)  # a second baseline at the same seed and lr
-    with pytest.raises(SystemExit, match="two baseline runs at seed 1 and lr 0.001"):
-        compare_main(["--sweep", "pool", "--tracking-uri", a, "--tracking-uri", b])
-    with pytest.raises(SystemExit, match="no runs tagged sweep_id='nope'"):
-        compare_main(["--sweep", "nope", "--tracking-uri", a])
+    assert_refused(compare_main, ["--sweep", "pool", "--tracking-uri", a, "--tracking-uri", b],
+                   "two baseline runs at seed 1 and lr 0.001", capsys)
+    assert_refused(compare_main, ["--sweep", "nope", "--tracking-uri", a], "no runs tagged sweep_id='nope'", capsys)
 
 
-def test_compare_does_not_create_a_store_at_a_mistyped_uri(tmp_path):
+def test_compare_does_not_create_a_store_at_a_mistyped_uri(tmp_path, capsys):
     """MLflow would create typo/dir/ and an empty database there, then report "no runs"."""
     missing = tmp_path / "typo" / "dir" / "mlflw.db"
-    with pytest.raises(SystemExit, match=f"no MLflow store at {missing}"):
-        compare_main(["--sweep", "x", "--tracking-uri", f"sqlite:///{missing}"])
-    with pytest.raises(SystemExit, match="no MLflow store at"):
-        compare_main(["--sweep", "x", "--tracking-uri", str(tmp_path / "no-mlruns")])
+    assert_refused(compare_main, ["--sweep", "x", "--tracking-uri", f"sqlite:///{missing}"],
+                   f"no MLflow store at {missing}", capsys)
+    assert_refused(compare_main, ["--sweep", "x", "--tracking-uri", str(tmp_path / "no-mlruns")],
+                   "no MLflow store at", capsys)
     assert not (tmp_path / "typo").exists() and not (tmp_path / "no-mlruns").exists()
 
 
@@ -129,8 +138,8 @@ def test_compare_chains_resumed_runs_and_pairs_only_finished_ones(tmp_path, caps
 
     # the same MHAR seed started again from scratch and finished: two seeds' worth of one seed, refused
     _run(client, exp, "FullAttnRes(heads=8)", 1, [(99, 1.72)], tail=1.74)
-    with pytest.raises(SystemExit, match=r"two finished runs of FullAttnRes\(heads=8\) at seed 1 with the same"):
-        compare_main(["--sweep", "kr", "--tracking_uri", uri])
+    assert_refused(compare_main, ["--sweep", "kr", "--tracking_uri", uri],
+                   r"two finished runs of FullAttnRes\(heads=8\) at seed 1 with the same", capsys)
 
 
 def test_a_killed_run_without_a_successor_is_not_paired(tmp_path, capsys):

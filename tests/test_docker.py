@@ -85,3 +85,35 @@ def test_dockerignore_sends_only_the_sources():
     for source in copied + ["mhar_lit/data/prepare.py", "configs/demo.yaml"]:
         assert not docker_ignores(source, rules), source
     assert not any(re.match(r"!\.venv|!\.git\b", r) for r in rules)
+
+
+def test_the_default_command_trains_on_the_gpu_and_parses():
+    """The image's CMD, as the entrypoint runs it, parses with the real CLI and does not pin the CPU (the demo
+    config does, for laptops)."""
+    import json
+
+    import pytest
+
+    from mhar_lit.cli import build_cli
+
+    cmd = json.loads(dockerfile_instructions("CMD")[-1])
+    assert json.loads(dockerfile_instructions("ENTRYPOINT")[-1]) == ["python", "-m", "mhar_lit"] and cmd[0] == "fit"
+    with pytest.raises(SystemExit) as done:
+        build_cli([*cmd[1:], "--print_config"], run=False)
+    assert done.value.code in (0, None)
+    assert cmd[cmd.index("--trainer.accelerator") + 1] == "auto"
+
+
+def test_the_image_installs_the_eval_extra_and_train_waits_for_a_healthy_mlflow():
+    assert any("[triton,eval]" in line for line in dockerfile_instructions("RUN"))
+    services = compose()["services"]
+    assert services["train"]["depends_on"]["mlflow"]["condition"] == "service_healthy"
+    check = services["mlflow"]["healthcheck"]["test"]
+    assert check[0] == "CMD" and "http://localhost:5000/health" in " ".join(check)
+
+
+def test_the_data_folder_defaults_to_the_repository_root():
+    """Compose resolves relative host paths from the compose file's folder (docker/)."""
+    data = next(v for v in compose()["services"]["train"]["volumes"] if v.endswith(":/data"))
+    default = data.split(":-", 1)[1].split("}", 1)[0]
+    assert (REPO / "docker" / default).resolve() == REPO / "data"

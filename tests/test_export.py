@@ -19,6 +19,7 @@ from mhar_lit.convert.hf_config import ConversionError
 from mhar_lit.data.tokenizer import ByteTokenizer, HFTokenizer
 from mhar_lit.export import export_checkpoint, export_main
 from mhar_lit.export import remote_code
+from mhar_lit.checkpoint import record_checksum
 from mhar_lit.lit.module import LanguageModel, model_from_checkpoint
 from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes, HyperConnections, StandardResidual
 
@@ -47,6 +48,7 @@ def _lightning_checkpoint(path: Path, name: str) -> Path:
                         enable_model_summary=False)
     trainer.strategy.connect(module)
     trainer.save_checkpoint(path)
+    record_checksum(path)  # as AtomicCheckpointIO does for every checkpoint `fit` writes
     return path
 
 
@@ -220,6 +222,18 @@ def test_exported_files(exported):
                 assert not any((n or "").startswith("mhar_lit") for n in names), (path.name, node.lineno)
 
 
+def test_auto_tokenizer_loads_the_export_with_its_eos_and_no_remote_code(exported):
+    """tokenizer_config.json names the fast tokenizer and the EOS: AutoTokenizer needs neither config.json's remote
+    code nor trust_remote_code, and its eos_token is the model's EOS."""
+    from transformers import AutoTokenizer
+
+    folder = exported["cases"]["delta"]["dir"]
+    assert json.loads((folder / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.eos_token_id == 256
+    assert tokenizer("héllo")["input_ids"] == list("héllo".encode())
+
+
 # ---------------------------------------------------------------------------------------------- tokenizer
 def test_byte_tokenizer_json_encodes_and_decodes_like_the_byte_tokenizer(exported):
     from tokenizers import Tokenizer
@@ -328,19 +342,19 @@ def test_cli_exports_a_real_fit_checkpoint(tmp_path, monkeypatch, capsys):
         assert torch.equal(load_pretrained(out)(ids), model_from_checkpoint(ckpt)(ids))
     assert json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]["<|endoftext|>"] == 256
 
-    assert export_main(["--ckpt", ckpt, "--to", str(out)]) == 1
+    assert export_main(["--ckpt", ckpt, "--to", str(out)]) == 2  # the exit code of every user error
     assert "is not empty; pass --overwrite" in capsys.readouterr().err
     assert export_main(["--ckpt", ckpt, "--to", str(out), "--overwrite", "--dtype", "bfloat16"]) == 0
     assert load_pretrained(out, dtype="bfloat16").embed_tokens.weight.dtype == torch.bfloat16
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     capsys.readouterr()
-    assert export_main(["--ckpt", ckpt, "--to", str(tmp_path / "hf"), "--format", "hf"]) == 1
+    assert export_main(["--ckpt", ckpt, "--to", str(tmp_path / "hf"), "--format", "hf"]) == 2
     err = capsys.readouterr().err
     assert "--format hf needs a standard-residual model" in err and "FullAttnRes" in err and err.count("\n") == 1
     assert not (tmp_path / "hf").exists()
-    assert export_main(["--ckpt", ckpt, "--to", str(Path(ckpt).parent), "--overwrite"]) == 1
+    assert export_main(["--ckpt", ckpt, "--to", str(Path(ckpt).parent), "--overwrite"]) == 2
     assert "contains the checkpoint" in capsys.readouterr().err and Path(ckpt).is_file()
-    assert export_main(["--ckpt", str(tmp_path / "missing.ckpt"), "--to", str(tmp_path / "x")]) == 1
+    assert export_main(["--ckpt", str(tmp_path / "missing.ckpt"), "--to", str(tmp_path / "x")]) == 2
     assert "checkpoint not found" in capsys.readouterr().err
 
 
@@ -354,6 +368,7 @@ def test_a_bf16_checkpoint_is_exported_in_bf16(tmp_path):
                         enable_model_summary=False)
     trainer.strategy.connect(module)
     trainer.save_checkpoint(tmp_path / "bf16.ckpt")
+    record_checksum(tmp_path / "bf16.ckpt")
     out = export_checkpoint(tmp_path / "bf16.ckpt", tmp_path / "out", tokenizer="bytes", trust_pickle=True)
     with safe_open(str(out / "model.safetensors"), "pt") as weights:
         assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.bfloat16}

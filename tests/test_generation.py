@@ -375,12 +375,14 @@ def test_generate_command_on_a_trained_checkpoint(trained_ckpt, tmp_path, capsys
 
 
 def _one_line_error(capsys, argv, match):
-    assert generate_main(argv) == 1
+    assert generate_main(argv) == 2  # the exit code of every user error, from every command
     err = capsys.readouterr().err.strip()
-    assert err.startswith("generate: error:") and "\n" not in err and match in err, err
+    assert err.startswith("error:") and "\n" not in err and match in err, err
 
 
 def test_generate_command_errors(trained_ckpt, tmp_path, capsys):
+    from mhar_lit.checkpoint import record_checksum
+
     ckpt = str(trained_ckpt)
     _one_line_error(capsys, ["--ckpt", ckpt, "--prompt", "x" * 600], "longer than the model's context of 512")
     _one_line_error(capsys, ["--ckpt", ckpt, "--prompt", "x", "--tokenizer", str(tmp_path / "no.json")],
@@ -388,7 +390,7 @@ def test_generate_command_errors(trained_ckpt, tmp_path, capsys):
     _one_line_error(capsys, ["--ckpt", str(tmp_path / "missing.ckpt"), "--prompt", "x"], "missing.ckpt")
     _one_line_error(capsys, ["--ckpt", ckpt, "--prompt", "x", "--top_p", "2"], "top_p")
     checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True)
-    for name, settings, match in [("none.ckpt", None, "records no tokenizer"),
+    for name, settings, match in [("none.ckpt", None, "does not record its tokenizer"),
                                   ("gone.ckpt", {"tokenizer": str(tmp_path / "gone.json")}, "gone.json"),
                                   ("bpe.ckpt", {"tokenizer": "bpe:300", "cache_dir": str(tmp_path)}, "bpe-300-")]:
         if settings is None:
@@ -396,6 +398,7 @@ def test_generate_command_errors(trained_ckpt, tmp_path, capsys):
         else:
             checkpoint["datamodule_hyper_parameters"] = settings
         torch.save(checkpoint, tmp_path / name)
+        record_checksum(tmp_path / name)  # as a checkpoint `fit` writes
         _one_line_error(capsys, ["--ckpt", str(tmp_path / name), "--prompt", "x"], match)
     assert generate_main(["--ckpt", str(tmp_path / "none.ckpt"), "--prompt", "x", "--tokenizer", "bytes",
                           "--max_new_tokens", "2"]) == 0

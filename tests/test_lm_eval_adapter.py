@@ -235,6 +235,7 @@ def test_a_trained_checkpoint_scores_like_its_model(tmp_path):
     checkpoint's own model computes (byte tokens here)."""
     import lightning as L
 
+    from mhar_lit.checkpoint import record_checksum
     from mhar_lit.lit.module import LanguageModel, model_from_checkpoint
     from mhar_lit.residual import FullAttnRes
 
@@ -249,6 +250,7 @@ def test_a_trained_checkpoint_scores_like_its_model(tmp_path):
     saved = torch.load(ckpt, weights_only=False)
     saved["hyper_parameters"] = {}
     torch.save(saved, ckpt)
+    record_checksum(ckpt)  # as AtomicCheckpointIO does for a checkpoint `fit` writes
     scorer = build_scorer(str(ckpt), tokenizer="bytes", device="cpu", dtype="float32")
     context, continuation = "def route(", "sources)"
     (logprob, _), = scorer.loglikelihood([(context, continuation)])

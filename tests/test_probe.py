@@ -342,9 +342,12 @@ def test_a_strategy_without_routing_is_a_clear_error(tmp_path, capsys):
 
 def _save_checkpoint(model, path):
     """The layout model_from_checkpoint reads (what LanguageModel.on_save_checkpoint writes)."""
+    from mhar_lit.checkpoint import record_checksum
+
     torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
                 "mhar_lit": {"model_config": model.config.to_dict(), "residual": model.residual.to_config()}},
                path)
+    record_checksum(path)  # as AtomicCheckpointIO does for every checkpoint `fit` writes
     return path
 
 
@@ -652,17 +655,20 @@ def test_a_corrupt_checkpoint_is_unreadable_not_untrusted(tmp_path, capsys):
 def test_only_a_valid_checkpoint_with_pickled_objects_is_sent_to_trust_checkpoint(tmp_path, capsys):
     import argparse
 
+    from mhar_lit.checkpoint import record_checksum
+
     model = _model(FullAttnRes(heads=1, random_query_init=True))
     ckpt = _save_checkpoint(model, tmp_path / "pickled.ckpt")
     checkpoint = torch.load(ckpt, weights_only=True)
     checkpoint["hyper_parameters"] = argparse.Namespace(lr=1e-3)  # a pickled object weights_only refuses
     torch.save(checkpoint, ckpt)
+    record_checksum(ckpt)
     np.save(tmp_path / "ids.npy", np.arange(256) % 256)
     args = ["--ckpt", str(ckpt), "--tokens_file", str(tmp_path / "ids.npy"), "--seq_len", "64",
             "--out", str(tmp_path / "out"), "--no_figures"]
     assert probe_main(args) == 2
     assert capsys.readouterr().err == (f"error: {ckpt} contains pickled Python objects and was not loaded "
-                                       "(weights_only); pass trust_pickle=True (--trust_checkpoint) only if you "
+                                       "(weights_only); pass --trust_checkpoint (trust_pickle=True) only if you "
                                        "created this file\n")
     assert probe_main(args + ["--trust_checkpoint"]) == 0
     assert (tmp_path / "out" / "report.json").exists()

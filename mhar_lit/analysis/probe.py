@@ -13,7 +13,7 @@ optionally logged as artifacts (and summary metrics) to an existing MLflow run.
 
 from __future__ import annotations
 
-import argparse
+
 import contextlib
 import json
 import math
@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from mhar_lit.analysis.capture import observe_sources, routed_residual
 from mhar_lit.analysis.metrics import head_deviation, matched_norm_queries
 from mhar_lit.analysis.stats import RoutingStats
+from mhar_lit.command_line import checked_type, command_parser, positive_int
 from mhar_lit.errors import exits_on_user_error
 
 REPORT_FILE = "report.json"
@@ -205,38 +206,16 @@ def check_mlflow_run(tracking_uri: str, run_id: str) -> None:
 
 
 # ---------------------------------------------------------------------- command line
-class _checked:
-    """An argument type: `convert` the text, then refuse values outside `ok` (they failed deep in the run,
-    or meant nothing), naming what is expected. A class so that --help names the type."""
-
-    def __init__(self, convert, ok, expected: str, kind: str) -> None:
-        self.convert, self.ok, self.expected, self.kind = convert, ok, expected, kind
-
-    def __call__(self, text):
-        try:
-            value = self.convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {self.kind}, got {text!r}") from None
-        if not self.ok(value):
-            raise argparse.ArgumentTypeError(f"must be {self.expected}, got {text}")
-        return value
-
-    def __repr__(self) -> str:
-        return f"{self.convert.__name__} {self.expected}"
-
-
-_positive_int = _checked(int, lambda v: v >= 1, ">= 1", "a whole number")
+_positive_int = positive_int
 # torch.Generator.manual_seed takes [-2**63, 2**64) and fails deep in the run outside it
-_seed = _checked(int, lambda v: -2**63 <= v < 2**64, "in [-2**63, 2**64)", "a whole number")
+_seed = checked_type(int, lambda v: -2**63 <= v < 2**64, "in [-2**63, 2**64)", "a whole number")
 # 0 holds out no document; 1 every one (a separate evaluation corpus probed whole); also refuses nan
-_open_fraction = _checked(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]", "a number")
+_open_fraction = checked_type(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]", "a number")
 
 
 def build_parser():
-    """jsonargparse's conventions (`--seq_len`); the hyphenated spellings (`--seq_len`) are accepted too."""
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser(prog="python -m mhar_lit probe", description=__doc__.split("\n\n")[0])
+    """jsonargparse's conventions (`--seq_len`); the hyphenated spellings (`--seq-len`) are accepted too."""
+    parser = command_parser("probe", __doc__.split("\n\n")[0])
     parser.add_argument("--ckpt", required=True, help="an mhar_lit Lightning checkpoint (.ckpt)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--data", help="held-out text: a .txt/.jsonl/.parquet file, directory or glob, or a "
@@ -252,7 +231,7 @@ def build_parser():
                         help="the text column of .jsonl/.parquet inputs")
     parser.add_argument("--tokens", type=_positive_int, default=100_000, help="number of held-out tokens")
     parser.add_argument("--seq_len", "--seq-len", type=_positive_int,
-                        help="sequence length (default min(1024, max positions))")
+                        help="sequence length (default: the one the run trained with, else min(1024, max positions))")
     parser.add_argument("--batch_size", "--batch-size", type=_positive_int, default=8, help="sequences per forward")
     parser.add_argument("--slices", type=_positive_int, default=4, help="query slices S for the width-disagreement")
     parser.add_argument("--null_draws", "--null-draws", type=_positive_int, default=5,
@@ -266,40 +245,37 @@ def build_parser():
     parser.add_argument("--run_id", "--run-id", help="MLflow run id (with --tracking_uri)")
     parser.add_argument("--trust_checkpoint", "--trust-checkpoint", action="store_true",
                         help="allow a checkpoint with pickled Python objects (only for files you created)")
+    parser.add_argument("--allow_unverified", "--allow-unverified", action="store_true",
+                        help="accept a checkpoint that has no .sha256 sidecar (a mismatching one is always refused)")
     parser.add_argument("--allow_class", "--allow-class", action="append", default=[],
                         help="a residual strategy class path outside mhar_lit.residual that the checkpoint may name "
                              "(your own strategy; repeatable)")
     return parser
 
 
-def _checkpoint_data_settings(path: str) -> dict[str, Any]:
-    """The datamodule hyperparameters saved in a Lightning checkpoint ({} when absent or unreadable)."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # a pickled checkpoint or an old format: fall back to the command-line defaults
-        return {}
-    settings = checkpoint.get("datamodule_hyper_parameters") or {}
-    return dict(settings) if isinstance(settings, dict) else {}
+def default_seq_len(args: Any, model: nn.Module, saved: dict[str, Any]) -> int:
+    """--seq_len, else the sequence length the run trained with (its datamodule settings), else
+    min(1024, max positions): a model probed at lengths it never saw routes differently."""
+    context = model.config.max_position_embeddings
+    if args.seq_len is not None:
+        return args.seq_len
+    return min(int(saved.get("seq_len") or min(1024, context)), context)
 
 
-def _input_ids(args: argparse.Namespace, model: nn.Module) -> tuple[Tensor, dict[str, Any]]:
+def _input_ids(args: Any, model: nn.Module, saved: dict[str, Any]) -> tuple[Tensor, dict[str, Any]]:
     from mhar_lit.analysis.tokens import DEFAULT_VAL_FRACTION, heldout_tokens, load_token_file, to_sequences
+    from mhar_lit.checkpoint import build_tokenizer, tokenizer_spec
 
-    seq_len = args.seq_len if args.seq_len is not None else min(1024, model.config.max_position_embeddings)
+    seq_len = default_seq_len(args, model, saved)
     if args.tokens_file:
         ids, origin = load_token_file(args.tokens_file), {"kind": "tokens_file", "path": args.tokens_file}
     else:
-        from mhar_lit.data.tokenizer import load_tokenizer
-
-        saved = _checkpoint_data_settings(args.ckpt)
-        spec = args.tokenizer or saved.get("tokenizer") or "bytes"
-        if str(spec).startswith("bpe:"):
-            raise ValueError(f"tokenizer {spec!r} is trained at data preparation time; pass --tokenizer with the "
-                             "path of its cached tokenizer.json (under the data cache's tokenizers/ directory)")
+        override = args.tokenizer or (None if saved.get("tokenizer") else "bytes")
+        spec, eos = tokenizer_spec(saved, override, where=f"the checkpoint {args.ckpt}")  # bpe: its cached file
+        tokenizer = build_tokenizer(spec, eos, "--tokenizer" if args.tokenizer else f"recorded in {args.ckpt}")
         fraction = args.val_fraction if args.val_fraction is not None else saved.get("val_fraction",
                                                                                        DEFAULT_VAL_FRACTION)
-        ids, origin = heldout_tokens(args.data, load_tokenizer(spec), args.tokens, seq_len, fraction,
-                                     args.text_field)
+        ids, origin = heldout_tokens(args.data, tokenizer, args.tokens, seq_len, fraction, args.text_field)
     ids_QT = to_sequences(ids, args.tokens, seq_len)
     if ids.numel() < args.tokens:  # not when only the cut into whole sequences of seq_len fell short
         print(f"probe: warning: only {ids.numel()} held-out tokens (asked for {args.tokens}); pass more text "
@@ -320,7 +296,7 @@ def _check_device(device: str) -> None:
         raise ValueError(f"--device {device} is not usable: {err}") from err
 
 
-def _check_fits_model(args: argparse.Namespace, model: nn.Module) -> None:
+def _check_fits_model(args: Any, model: nn.Module) -> None:
     """The flags that depend on the model, checked before any data is read."""
     max_positions = model.config.max_position_embeddings
     if args.seq_len is not None and args.seq_len > max_positions:
@@ -331,8 +307,8 @@ def _check_fits_model(args: argparse.Namespace, model: nn.Module) -> None:
         raise ValueError(f"width {width} is not divisible by --slices {args.slices}")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from mhar_lit.lit.module import model_from_checkpoint
+def run(args: Any) -> dict[str, Any]:
+    from mhar_lit.checkpoint import read_checkpoint
     from mhar_lit.residual.base import ALLOWED_PACKAGES
 
     if bool(args.tracking_uri) != bool(args.run_id):
@@ -343,11 +319,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         check_mlflow_run(args.tracking_uri, args.run_id)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     _check_device(device)
-    model = model_from_checkpoint(args.ckpt, trust_pickle=args.trust_checkpoint,
-                                  allowed=ALLOWED_PACKAGES + tuple(args.allow_class))
+    contents = read_checkpoint(args.ckpt, trust_pickle=args.trust_checkpoint, with_tokenizer=False,
+                               allowed=ALLOWED_PACKAGES + tuple(args.allow_class),
+                               allow_unverified=args.allow_unverified)
+    model = contents.model
     _check_fits_model(args, model)
     model.to(device)
-    ids_QT, origin = _input_ids(args, model)
+    ids_QT, origin = _input_ids(args, model, contents.data_settings)
     report, stats = probe_model(model, ids_QT, args.slices, args.null_draws, args.seed, args.batch_size)
     report = {"checkpoint": os.path.abspath(args.ckpt), "token_source": origin,
               "model": {"config": model.config.to_dict(), "residual": model.residual.to_config()}, **report}
@@ -369,10 +347,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def verdict(report: dict[str, Any]) -> list[str]:
+    """What the headline numbers mean, in words: learned structure beyond the matched-norm random-query null,
+    or not (docs/probe.md)."""
+    lines = []
+    deviation = report.get("head_deviation")
+    if deviation:
+        trained, null = deviation["max_abs"], deviation["null_max_abs"]
+        beyond = trained > null
+        lines.append(f"heads {'differ' if beyond else 'do not differ'} from their consensus beyond the null: "
+                     f"max |deviation| {trained:.4f} vs {null:.4f} for random queries of the same norm")
+        r = deviation.get("split_half_r")
+        if r is not None:
+            lines.append(f"the same deviations in two disjoint halves of the text: split-half r {r:.2f} (1: identical, "
+                         "0: unrelated, noise)")
+    width = report.get("width_disagreement")
+    if width:
+        lines.append(f"query slices {'disagree' if width['excess'] > 0 else 'do not disagree'} beyond the null: "
+                     f"KL {width['trained']:.4f} vs {width['null']:.4f} (excess {width['excess']:+.4f})")
+    return lines
+
+
 def _print_summary(report: dict[str, Any], out: str) -> None:
-    print(f"probe: {report['tokens']} tokens, {len(report['sites'])} sites, heads={report['heads']} -> {out}")
+    print(f"probe: {report['tokens']} tokens ({report['sequences']} x {report['seq_len']}), "
+          f"{len(report['sites'])} sites, heads={report['heads']} -> {out}")
+    for line in verdict(report):
+        print(f"  {line}")
     for key, value in summary_metrics(report).items():
-        print(f"  {key.removeprefix('probe/')}: {value:.4f}")
+        print(f"    {key.removeprefix('probe/')}: {value:.4f}")
 
 
 @exits_on_user_error(ValueError, FileNotFoundError)  # bad input from the data and tokenizer layers too

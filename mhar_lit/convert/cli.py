@@ -16,6 +16,7 @@ from typing import Optional
 
 from mhar_lit.convert.hf_config import ARCHITECTURES
 from mhar_lit.convert.strategies import STRATEGIES
+from mhar_lit.command_line import command_parser
 from mhar_lit.errors import exits_on_user_error
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -40,10 +41,7 @@ def parse_size(text: str) -> int:
 
 
 def build_parser():
-    from jsonargparse import ArgumentParser
-
-    p = ArgumentParser(prog="python -m mhar_lit convert", description=__doc__,
-                       formatter_class=_raw_description())
+    p = command_parser("convert", __doc__)
     p.add_argument("--from", dest="src", required=True, help="source directory")
     p.add_argument("--to", dest="dst", required=True, help="output directory (written atomically)")
     p.add_argument("--export_hf", "--export-hf", action="store_true",
@@ -64,13 +62,6 @@ def build_parser():
                    help="largest safetensors file, e.g. 5GB, 500MB")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     return p
-
-
-def _raw_description():
-    """jsonargparse's help formatter keeping the description's line breaks (its usage examples)."""
-    from jsonargparse import DefaultHelpFormatter
-
-    return type("RawDescriptionHelpFormatter", (argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter), {})
 
 
 @exits_on_user_error(ValueError)  # ConversionError, and a strategy option the model refuses (e.g. heads)

@@ -214,7 +214,7 @@ class TokenDataModule(L.LightningDataModule):
         differ = [f"{key}: checkpoint {saved[key]!r}, now {now[key]!r}" for key in now
                   if key in saved and saved[key] != now[key]]
         if differ:
-            raise ValueError(
+            raise InputError(
                 "resuming continues the checkpoint's training stream, which needs its data settings; these differ: "
                 + "; ".join(differ) + ". (The prepared split's path follows data.data, data.tokenizer, "
                 "data.val_fraction and data.cache_dir.) Resume with the checkpoint's settings")
@@ -232,7 +232,7 @@ class TokenDataModule(L.LightningDataModule):
             return
         meta = json.loads(meta_file.read_text())
         if (meta.get("vocab_size"), meta.get("eos_id")) != (self.vocab_size, self.eos_id):
-            raise ValueError(
+            raise InputError(
                 f"{prepared.train_dir} was tokenized with vocab_size={meta.get('vocab_size')}, eos_id={meta.get('eos_id')}"
                 f" but the tokenizer given has vocab_size={self.vocab_size}, eos_id={self.eos_id}"
             )

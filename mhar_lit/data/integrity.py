@@ -22,6 +22,8 @@ import shutil
 import time
 from pathlib import Path
 
+from mhar_lit.errors import UserError
+
 _BLOCK = 8 * 1024 * 1024
 MANIFEST_NAME = "checksums.json"
 LOCK_NAME = ".lock"
@@ -50,6 +52,16 @@ def write_json_atomic(path: Path, obj) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text to a temp file in the same folder, fsync it and rename it over `path`."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    with open(tmp, "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -89,8 +101,8 @@ def write_manifest(root: Path, files: list[Path]) -> dict:
     return entries
 
 
-class CorruptFileError(RuntimeError):
-    """A file whose contents do not match its recorded checksum."""
+class CorruptFileError(UserError):
+    """A file whose contents do not match its recorded checksum (printed as one line by the CLI)."""
 
 
 def verify_manifest(root: Path, rebuild_hint: str) -> int:

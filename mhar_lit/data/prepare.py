@@ -33,6 +33,7 @@ Chunks hold whole pieces of at most `chunk_tokens` tokens, and the streaming rea
 from __future__ import annotations
 
 import contextlib
+import queue
 import hashlib
 import json
 import logging
@@ -203,7 +204,10 @@ class _SplitWriter:
         from litdata.streaming.writer import BinaryWriter
 
         if self._writer is None:
-            self._writer = BinaryWriter(str(self.out_dir), chunk_size=self.chunk_tokens, item_loader=TokensLoader())
+            # the message queue takes litdata's "Rank 0 inferred the following data format" line, printed at
+            # every preparation otherwise: the format is always TokensLoader's int32 tensor
+            self._writer = BinaryWriter(str(self.out_dir), chunk_size=self.chunk_tokens, item_loader=TokensLoader(),
+                                        msg_queue=queue.SimpleQueue())
         self._writer.add_item(self.items, torch.from_numpy(np.ascontiguousarray(piece)))
         self.items += 1
 
@@ -331,9 +335,15 @@ def _rebuild_hint(final: Path) -> str:
             "if this repeats, check the disk.")
 
 
-def verify_prepared(final: Path) -> None:
-    """Check a prepared dataset against its checksums.json (each file once per process); log the cost."""
+def verify_prepared(final: Path, required: bool = True) -> None:
+    """Check a prepared dataset against its checksums.json (each file once per process); log the cost. A cache
+    folder written here always has one, so its absence means the folder was damaged (an error); a prebuilt
+    dataset (required=False) may lack it: its chunks are then read unverified, which is said."""
     if not (final / integrity.MANIFEST_NAME).is_file():
+        if required:
+            raise integrity.CorruptFileError(f"prepared tokens at {final} have no {integrity.MANIFEST_NAME}, so their "
+                                             f"chunks cannot be checked. {_rebuild_hint(final)}")
+        log.warning("%s has no %s: its chunks are read unverified", final, integrity.MANIFEST_NAME)
         return
     start = time.perf_counter()
     read = integrity.verify_manifest(final, _rebuild_hint(final))
@@ -361,7 +371,7 @@ def _prebuilt(spec: str, verify: bool) -> PreparedData:
     found = find_optimized(spec)
     parent = Path(found.train).parent
     if verify and not is_remote(found.train):
-        verify_prepared(parent)  # a dataset written by prepare carries its checksums
+        verify_prepared(parent, required=False)  # one written by `prepare` carries its checksums
     return PreparedData(found.train, found.val, {"prebuilt": True})
 
 
@@ -388,7 +398,8 @@ def prepare(
     ranks that must not build). `verify` checks a reused dataset's chunk checksums (once per file per process).
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        raise InputError(f"data.val_fraction must be in [0, 1), got {val_fraction} (training keeps the rest of the "
+                         "documents; to score a whole file: python -m mhar_lit perplexity --data FILE)")
     specs = [data] if isinstance(data, (str, os.PathLike)) else (None if data is None else [str(d) for d in data])
     if specs is not None and any(find_optimized(s) for s in specs):
         if len(specs) != 1:

@@ -23,14 +23,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from mhar_lit.errors import UserError
+
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 SUPPORTED_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet")
 GLOB_CHARS = frozenset("*?[")
 _UTF8_BLOCK = 16 * 1024 * 1024
 
 
-class InputError(ValueError):
-    """An input path, pattern or file that cannot be used, with the reason in the message."""
+class InputError(UserError):
+    """An input path, pattern or file that cannot be used, with the reason in the message (a ValueError, printed
+    as one line by the CLI)."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
 - `"bytes"`: byte-level, ids 0..255 are the UTF-8 bytes and 256 is EOS (vocab 257). No files.
 - a path to a Hugging Face `tokenizer.json` (for example Qwen3's). EOS defaults to `<|im_end|>` when
   the vocabulary has it (docs/method.md J9: the Qwen3 reproduction appends id 151645 = `<|im_end|>`), else
-  `<|endoftext|>`; pass `eos` (a token string or an id) to override.
+  `<|endoftext|>`, `</s>`, `<|end_of_text|>`, `<eos>` (EOS_CANDIDATES); pass `eos` (a token string or an id)
+  to override.
 - `"bpe:<vocab>"`: a byte-level BPE of that vocabulary size trained locally with `tokenizers` on
   the given texts and cached as a `tokenizer.json` under `cache_dir` (EOS is `<|endoftext|>`).
 
@@ -22,8 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-# Candidate EOS tokens for Hugging Face tokenizers, in order of preference (see module docstring).
-EOS_CANDIDATES = ("<|im_end|>", "<|endoftext|>")
+# Candidate EOS tokens for Hugging Face tokenizers, in order of preference (see module docstring): the one
+# default of every reader (training, generate, export, the lm-eval adapter). Llama's and Gemma's names come
+# after Qwen's, so a vocabulary holding Qwen's tokens keeps the id it trained with.
+EOS_CANDIDATES = ("<|im_end|>", "<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 BPE_EOS = "<|endoftext|>"
 
 

@@ -48,9 +48,11 @@ class TokenizerJSON:
         self.eos_id = self._eos(eos)
 
     def _eos(self, eos: Optional[str | int]) -> Optional[int]:
+        from mhar_lit.data.tokenizer import EOS_CANDIDATES  # the one default EOS of every reader
+
         if isinstance(eos, int) or (isinstance(eos, str) and eos.isdigit()):
             return int(eos)
-        for name in ([eos] if eos else ["<|endoftext|>", "<|im_end|>", "</s>", "<|end_of_text|>", "<eos>"]):
+        for name in ([eos] if eos else EOS_CANDIDATES):
             token_id = self.tok.token_to_id(name)
             if token_id is not None:
                 return token_id
@@ -216,9 +218,10 @@ def _dtype(name: Optional[str], device: torch.device) -> torch.dtype:
 def build_scorer(path: str, tokenizer: Optional[str] = None, device: Optional[str] = None,
                  dtype: Optional[str] = None, batch_size: int | str = 8, max_length: Optional[int] = None,
                  prefix_token_id: Optional[int] = None, eos: Optional[str] = None, max_gen_toks: int = 256,
-                 backend: Optional[str] = None, seed: int = 1234) -> MHARScorer:
+                 backend: Optional[str] = None, seed: int = 1234, allow_unverified: bool = False) -> MHARScorer:
     """A converted or exported directory (load_pretrained + tokenizer, default path/tokenizer.json) or a trained
-    Lightning .ckpt (its model and the tokenizer its run trained with, as `generate` loads them) -> MHARScorer."""
+    Lightning .ckpt (its model and the tokenizer its run trained with, read and sha256-verified by the checkpoint
+    reader as for `generate`; allow_unverified=true accepts a .ckpt without a sidecar) -> MHARScorer."""
     from mhar_lit.convert import load_pretrained
     from mhar_lit.convert.core import read_mhar_config
 
@@ -229,7 +232,8 @@ def build_scorer(path: str, tokenizer: Optional[str] = None, device: Optional[st
     if Path(path).is_file():
         from mhar_lit.generation.loading import load_generator
 
-        loaded = load_generator(path, tokenizer=tokenizer, eos=eos, device=device, dtype=_dtype(dtype, device))
+        loaded = load_generator(path, tokenizer=tokenizer, eos=eos, device=device, dtype=_dtype(dtype, device),
+                                allow_unverified=str(allow_unverified).lower() in ("1", "true", "yes"))
         if backend is not None and hasattr(loaded.model.residual, "set_routing_backend"):
             loaded.model.residual.set_routing_backend(backend)
         return MHARScorer(loaded.model, _CheckpointTokenizer(loaded), **options)

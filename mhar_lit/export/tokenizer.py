@@ -15,8 +15,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
+from mhar_lit.data.integrity import write_json_atomic
+
 from mhar_lit.convert.hf_config import ConversionError
-from mhar_lit.data.tokenizer import cached_bpe_path
 
 BYTE_EOS = "<|endoftext|>"
 # Files that describe an HF tokenizer besides tokenizer.json, copied when they sit next to it.
@@ -55,25 +56,17 @@ def _check_bytes(tokenizer: Any) -> None:
         raise ConversionError("this version of the tokenizers library does not reproduce the byte tokenizer")
 
 
-def checkpoint_tokenizer(settings: dict[str, Any], override: Optional[str]) -> tuple[str, Optional[str | int]]:
-    """(tokenizer spec, eos) of a run: `override` ('bytes' or a tokenizer.json), else the datamodule's setting."""
-    if override is not None:
-        return override, None if override == "bytes" else settings.get("eos")
-    spec = settings.get("tokenizer")
-    if spec is None:
-        raise ConversionError("the checkpoint does not record its tokenizer (no datamodule settings); pass "
-                              "--tokenizer bytes or --tokenizer PATH/tokenizer.json")
-    spec = str(spec)
-    if spec.startswith("bpe:"):
-        try:
-            return str(cached_bpe_path(spec, settings.get("cache_dir"))), settings.get("eos")
-        except FileNotFoundError as err:
-            raise ConversionError(f"{err}: pass --tokenizer with the path of its tokenizer.json") from None
-    return spec, settings.get("eos")
+def tokenizer_config(eos_token: str, max_length: int) -> dict[str, Any]:
+    """tokenizer_config.json for transformers' AutoTokenizer: the fast tokenizer of tokenizer.json with its EOS
+    (without it AutoTokenizer reads config.json, asks to run the model's remote code, and has no eos_token)."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token, "pad_token": eos_token,
+            "model_max_length": max_length, "clean_up_tokenization_spaces": False}
 
 
-def write_tokenizer(spec: str, eos: Optional[str | int], out: Path, vocab_size: int) -> int:
-    """Write the tokenizer files into `out`; returns the EOS id (checked against the model's vocabulary)."""
+def write_tokenizer(spec: str, eos: Optional[str | int], out: Path, vocab_size: int, max_length: int) -> int:
+    """Write the tokenizer files into `out` (tokenizer.json, and tokenizer_config.json: the source's own, with
+    its chat template, when one lies beside it, else one naming the EOS); returns the EOS id (checked against
+    the model's vocabulary)."""
     from mhar_lit.data.tokenizer import load_tokenizer
 
     try:
@@ -85,10 +78,16 @@ def write_tokenizer(spec: str, eos: Optional[str | int], out: Path, vocab_size: 
                               f"is {vocab_size}; ids >= {vocab_size} have no embedding")
     if spec == "bytes":
         (out / "tokenizer.json").write_text(byte_tokenizer_json())
+        write_json_atomic(out / "tokenizer_config.json", tokenizer_config(BYTE_EOS, max_length))
         return tokenizer.eos_id
     source = Path(spec)
     shutil.copy2(source, out / "tokenizer.json")
     for name in _COMPANIONS:
         if (source.parent / name).is_file():
             shutil.copy2(source.parent / name, out / name)
+    if not (out / "tokenizer_config.json").is_file():
+        from mhar_lit.data.tokenizer import read_tokenizer_json
+
+        eos_token = read_tokenizer_json(source).id_to_token(tokenizer.eos_id)
+        write_json_atomic(out / "tokenizer_config.json", tokenizer_config(eos_token, max_length))
     return tokenizer.eos_id

@@ -1,5 +1,5 @@
-"""Training callbacks: throughput/MFU/memory, routing monitor (entropy + heatmaps), the final checkpoint (one
-copy: last.ckpt a hard link of the top-k file), and the step progress bar."""
+"""Training callbacks: throughput/MFU/memory, routing monitor (entropy + heatmaps) and the step progress bar.
+The checkpoint callbacks are in mhar_lit.lit.checkpoint_callbacks (re-exported here)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from typing import Any, NamedTuple, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
+from mhar_lit.lit.checkpoint_callbacks import (LogCheckpointArtifact, OneCopyCheckpoint,  # noqa: F401 (re-exported)
+                                               _mlflow_logger, hard_link_checkpoint)
 from mhar_lit.residual.attnres import RoutedResidual
 
 log = logging.getLogger(__name__)
@@ -316,12 +318,6 @@ def _log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
         logger.log_metrics(metrics, step=lightning_step(trainer))
 
 
-def _mlflow_logger(trainer: L.Trainer):
-    from lightning.pytorch.loggers import MLFlowLogger
-
-    return next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None)
-
-
 def log_figure(trainer: L.Trainer, figure: Any, artifact_file: str) -> None:
     """Log a matplotlib figure to MLflow if an MLflow logger is attached, else save it under the log dir."""
     import matplotlib.pyplot as plt
@@ -336,166 +332,6 @@ def log_figure(trainer: L.Trainer, figure: Any, artifact_file: str) -> None:
         figure.savefig(out, dpi=100)
     finally:
         plt.close(figure)
-
-
-class LogCheckpointArtifact(L.Callback):
-    """The run's final checkpoint: saved at the end of training, pointed to by the MLflow run, linked on resume.
-
-    One copy of the final checkpoint by default: the file in the run's checkpoint folder (`last.ckpt`, which
-    `OneCopyCheckpoint` makes a hard link of the top-k file of the same step), named in the run's tags.
-    Uploading it to MLflow as well is opt-in (`upload=True`): a third copy in the artifact store, useful only
-    when the artifact store is the one place the run's files outlive the machine.
-
-    - At train end, `last.ckpt` is written again if the last save was at an earlier step (ModelCheckpoint saves
-      at validations only, so max_steps off the validation interval, or a max_time stop, lost the last steps).
-    - The run is tagged with its checkpoint folder (`checkpoint_dir`) when training starts, so a killed run
-      still points at its last.ckpt, and with the final checkpoint's path (`checkpoint_path`) at the end of fit.
-    - With `upload=True` the final checkpoint is uploaded as an artifact at the end of fit: only single files up
-      to `max_bytes` (a sharded checkpoint directory, or an 8B checkpoint with optimizer states, would
-      duplicate tens of GB into the artifact store).
-    - A resumed fit is a new MLflow run tagged `resumed_from_run` (the run that wrote the checkpoint, kept in
-      this callback's checkpoint state) and `resumed_from_checkpoint`.
-    """
-
-    def __init__(self, upload: bool = False, max_bytes: int = 2 * 2**30) -> None:
-        self.upload = upload
-        self.max_bytes = max_bytes
-        self._saved_step: Optional[int] = None  # global step of the newest checkpoint written in this fit
-        self._run_id: Optional[str] = None
-        self._resumed_from: Optional[str] = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"mlflow_run_id": self._run_id}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._resumed_from = state_dict.get("mlflow_run_id")
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._saved_step = None
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        mlflow = _mlflow_logger(trainer)
-        self._run_id = mlflow.run_id if mlflow is not None and trainer.is_global_zero else None
-        ckpt = trainer.checkpoint_callback
-        if mlflow is not None and trainer.is_global_zero and ckpt is not None and ckpt.dirpath:
-            # known from the start, so that a killed run still says where its last.ckpt is
-            mlflow.experiment.set_tag(mlflow.run_id, "checkpoint_dir", os.path.abspath(ckpt.dirpath))
-        if trainer.ckpt_path and mlflow is not None and trainer.is_global_zero:
-            mlflow.experiment.set_tag(mlflow.run_id, "resumed_from_checkpoint", os.path.abspath(trainer.ckpt_path))
-            if self._resumed_from:
-                mlflow.experiment.set_tag(mlflow.run_id, "resumed_from_run", self._resumed_from)
-
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        self._saved_step = trainer.global_step
-
-    @staticmethod
-    def _last_path(trainer: L.Trainer, ckpt: Any) -> str:
-        """ModelCheckpoint's own last file of this fit; else its name for one, versioned as ModelCheckpoint does
-        (last-v1.ckpt, ...) so that a folder shared with an earlier run keeps that run's last.ckpt."""
-        if ckpt.last_model_path and os.path.dirname(os.path.abspath(ckpt.last_model_path)) == os.path.abspath(ckpt.dirpath):
-            return ckpt.last_model_path
-        path, version = ckpt.format_checkpoint_name({}, ckpt.CHECKPOINT_NAME_LAST), 1
-        while ckpt.file_exists(path, trainer):
-            path = ckpt.format_checkpoint_name({}, ckpt.CHECKPOINT_NAME_LAST, ver=version)
-            version += 1
-        return path
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        ckpt = trainer.checkpoint_callback
-        if ckpt is None or not ckpt.save_last or ckpt.dirpath is None:
-            return
-        if trainer.global_step == 0 or self._saved_step == trainer.global_step:
-            return
-        path = self._last_path(trainer, ckpt)
-        if os.path.islink(path):  # save_last="link": replace the link, do not write through it into a top-k file
-            if trainer.is_global_zero:
-                os.remove(path)
-            trainer.strategy.barrier("mhar_lit_last_link")
-        trainer.save_checkpoint(path, weights_only=False)  # every rank calls it, as a sharded save needs
-        ckpt.last_model_path = path
-        # ModelCheckpoint (run after this callback) would otherwise save once more if it never saved in this fit
-        for name, value in (("_last_checkpoint_saved", path), ("_last_global_step_saved", trainer.global_step)):
-            if hasattr(ckpt, name):
-                setattr(ckpt, name, value)
-
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        ckpt, mlflow = trainer.checkpoint_callback, _mlflow_logger(trainer)
-        path = ckpt and (ckpt.last_model_path or ckpt.best_model_path)
-        if mlflow is None or not path or not os.path.exists(path) or not trainer.is_global_zero:
-            return
-        mlflow.experiment.set_tag(mlflow.run_id, "checkpoint_path", os.path.abspath(path))
-        if not self.upload:
-            return
-        if os.path.isfile(path) and os.path.getsize(path) <= self.max_bytes:
-            mlflow.experiment.log_artifact(mlflow.run_id, path, artifact_path="checkpoints")
-        else:
-            log.warning("checkpoint %s not copied to MLflow (a directory or > %d bytes); its path is in the run's "
-                        "'checkpoint_path' tag", path, self.max_bytes)
-
-
-class OneCopyCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint whose `last.ckpt` is a hard link of the top-k file saved at the same step (with
-    `save_last` true or "link"): one file on disk, not two. A hard link is a whole file, as `save_last=True`
-    promises, and, unlike Lightning's symbolic link for "link", never dangling (a top-k file removed later
-    leaves last.ckpt whole; a kill between the top-k save and the link leaves the previous last.ckpt). The link
-    gets its own sha256 sidecar (AtomicCheckpointIO's format, written so that a crash at any point leaves a pair
-    that verifies). Where hard links fail (another file system, a directory checkpoint) a symbolic link is made.
-
-    With no top-k file of the current step (a monitored metric that did not improve), last.ckpt is written as a
-    file of its own: Lightning's "link" would point it at the newest top-k file, of an earlier step."""
-
-    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
-        if not self.save_last:
-            return
-        wanted = self.save_last
-        same_step = bool(self._last_checkpoint_saved) and self._last_global_step_saved == trainer.global_step
-        self.save_last = "link" if same_step and self.save_top_k != 0 else True
-        try:
-            super()._save_last_checkpoint(trainer, monitor_candidates)
-        finally:
-            self.save_last = wanted
-
-    @staticmethod
-    def _link_checkpoint(trainer: L.Trainer, filepath: str, linkpath: str) -> None:
-        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            try:
-                hard_link_checkpoint(filepath, linkpath)
-            except OSError as err:
-                log.warning("last checkpoint: no hard link %s -> %s (%s); a symbolic link instead", linkpath,
-                            filepath, err)
-                if os.path.islink(linkpath) or os.path.isfile(linkpath):
-                    os.remove(linkpath)
-                os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), linkpath)
-        trainer.strategy.barrier()
-
-
-def hard_link_checkpoint(target: str, link: str) -> None:
-    """Make `link` a hard link of the checkpoint file `target`, replacing what was there atomically, with a
-    sidecar that accepts the old and new digests while the swap happens and then only the new one."""
-    import time
-    from pathlib import Path
-
-    from mhar_lit.lit.checkpoint_io import _write_sidecar, read_digests, sidecar_path
-
-    if os.path.isdir(target):
-        raise IsADirectoryError(target)
-    dest = Path(link)
-    if dest.is_symlink():  # its sidecar would resolve to the target's
-        dest.unlink()
-    digests = read_digests(target)
-    old = (read_digests(dest) or []) if dest.exists() else []
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
-    os.link(target, tmp)
-    try:
-        if digests is not None:
-            _write_sidecar(dest, digests + [d for d in old if d not in digests])
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-    if digests is not None:
-        _write_sidecar(dest, digests)
-    elif sidecar_path(dest).exists():
-        sidecar_path(dest).unlink()
 
 
 class StepProgressBar(TQDMProgressBar):

@@ -12,13 +12,15 @@ crash or a full disk mid-write leaves a truncated `last.ckpt` where the previous
   own bytes, and hashing the tensors inside the dict instead would miss damage to the zip structure and cost
   a second pass. The pair is kept consistent across a crash at any point: before the replace the sidecar lists
   both the new and the old digest, after it only the new one (each sidecar write is itself atomic);
-- verifies the sidecar when Lightning loads a checkpoint (`fit(ckpt_path=...)`, validate, test): a mismatch is
-  an error naming the file. A checkpoint without a sidecar (written before this plugin) loads with a warning;
+- verifies the sidecar when Lightning loads a checkpoint (`fit(ckpt_path=...)`, validate, test) with
+  mhar_lit.checkpoint.verify_checkpoint, the rule every command applies: a mismatch is an error naming the
+  file, and so is a checkpoint without a sidecar (`sha256sum FILE > FILE.sha256` records one for a file you
+  trust): unchecked bytes could resume a corrupted run;
 - removes temp files of interrupted saves (files named `.*.tmp-*` whose lock is free: every temp file is
   held under an exclusive flock by its writer) the first time it saves or loads in a folder in a process.
 
 Remote paths (s3://, ...) fall back to Lightning's behaviour. `LanguageModel.load_from_checkpoint` reads files
-without a CheckpointIO and is not verified by this plugin.
+without a CheckpointIO and is not verified by this plugin (mhar_lit.checkpoint.read_checkpoint is).
 """
 
 from __future__ import annotations
@@ -27,23 +29,19 @@ import hashlib
 import logging
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 
+from mhar_lit.checkpoint import (CorruptCheckpointError, read_digests, sidecar_path,  # noqa: F401 (re-exported)
+                                 verify_checkpoint)
 from mhar_lit.data.integrity import file_sha256, hold_new_lock, try_lock
 
 log = logging.getLogger(__name__)
 
-SIDECAR_SUFFIX = ".sha256"
 TEMP_GLOB = ".*.tmp-*"
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint whose bytes do not match the sha256 recorded when it was saved."""
 
 
 class _HashingWriter:
@@ -62,12 +60,6 @@ class _HashingWriter:
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
-
-
-def sidecar_path(path: str | os.PathLike) -> Path:
-    """The checksum file of a checkpoint (of its target, when the checkpoint is a link such as last.ckpt)."""
-    real = Path(os.path.realpath(path))
-    return real.with_name(real.name + SIDECAR_SUFFIX)
 
 
 def _temp_name(dest: Path) -> Path:
@@ -104,29 +96,6 @@ def _replace_locked(dest: Path, write, before_replace=None) -> None:
 def _write_sidecar(dest: Path, digests: list[str]) -> None:
     lines = "".join(f"{d}  {dest.name}\n" for d in digests)
     _replace_locked(sidecar_path(dest), lambda f: f.write(lines.encode()))
-
-
-def read_digests(path: str | os.PathLike) -> list[str] | None:
-    """The digests a checkpoint's sidecar accepts, or None if it has no sidecar."""
-    sidecar = sidecar_path(path)
-    if not sidecar.is_file():
-        return None
-    return [line.split()[0] for line in sidecar.read_text().splitlines() if line.strip()]
-
-
-def verify_checkpoint(path: str | os.PathLike) -> bool:
-    """Check a checkpoint file against its sidecar; False (with a warning) when it has none."""
-    digests = read_digests(path)
-    if digests is None:
-        warnings.warn(f"checkpoint {path} has no checksum file {sidecar_path(path).name} (saved without "
-                      "AtomicCheckpointIO): loading it unverified", stacklevel=3)
-        return False
-    if file_sha256(path) not in digests:
-        raise CorruptCheckpointError(
-            f"checkpoint {path} does not match the sha256 recorded in {sidecar_path(path)} when it was saved: its "
-            "bytes changed since (disk, copy or transfer damage). Resume from another checkpoint; if you are sure "
-            "the file is good, delete the .sha256 file to load it unverified.")
-    return True
 
 
 def remove_stale_temp_files(folder: Path) -> list[Path]:

@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+# the checkpoint reader lives in mhar_lit.checkpoint (no Lightning import); its names stay importable here
+from mhar_lit.checkpoint import check_checkpoint_file, model_from_checkpoint  # noqa: F401
 from mhar_lit.config import ModelConfig
 from mhar_lit.models.decoder import DecoderLM, RMSNorm
-from mhar_lit.errors import UserError, UserFileNotFoundError
+from mhar_lit.errors import UserError
 from mhar_lit.lit.loss import next_token_loss
-from mhar_lit.residual.base import ALLOWED_PACKAGES, ResidualStrategy
+from mhar_lit.residual.base import ResidualStrategy
 from mhar_lit.residual.standard import StandardResidual
 
 
@@ -330,52 +332,3 @@ class LanguageModel(L.LightningModule):
             )
 
 
-def check_checkpoint_file(path: str) -> None:
-    """Refuse a missing, truncated or foreign checkpoint file with its name, before anything loads it.
-
-    torch.save writes a zip archive whose directory is at its end, so a truncated copy or another kind of file
-    fails `zipfile.is_zipfile` (torch's own errors name neither the file nor the cause, or advise
-    weights_only=False for a text file)."""
-    import zipfile
-
-    if os.path.isdir(path):
-        raise UserError(f"cannot read checkpoint {path}: it is a directory (a sharded FSDP checkpoint?), not a "
-                         "single .ckpt file")
-    if not os.path.isfile(path):
-        raise UserFileNotFoundError(f"checkpoint not found: {path}")
-    if not zipfile.is_zipfile(path):
-        raise UserError(f"cannot read checkpoint {path}: not a complete torch checkpoint (no readable zip archive: "
-                         "truncated, or another kind of file)")
-
-
-def model_from_checkpoint(path: str, trust_pickle: bool = False,
-                          allowed: tuple[str, ...] = ALLOWED_PACKAGES) -> DecoderLM:
-    """Rebuild the DecoderLM (config, strategy, weights) of an mhar_lit Lightning checkpoint, in eval mode.
-
-    Loads with weights_only=True by default; a checkpoint that embeds pickled Python objects (a module
-    built outside the CLI with a strategy object in its hyperparameters) needs trust_pickle=True, which is
-    only safe for files you created yourself. The strategy's class must lie in one of the `allowed` packages
-    or be named there exactly (ResidualStrategy.from_config).
-    """
-    import pickle
-
-    check_checkpoint_file(path)
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
-    except pickle.UnpicklingError as err:
-        if not trust_pickle:  # a complete archive (checked above) whose pickle holds objects weights_only refuses
-            raise UserError(
-                f"{path} contains pickled Python objects and was not loaded (weights_only); "
-                "pass trust_pickle=True (--trust_checkpoint) only if you created this file"
-            ) from err
-        raise UserError(f"cannot read checkpoint {path}: {type(err).__name__}: {err}") from err
-    except Exception as err:  # a zip that is not a torch file, a damaged member: torch's errors name neither
-        raise UserError(f"cannot read checkpoint {path}: {type(err).__name__}: {err}") from err
-    saved = checkpoint.get("mhar_lit") if isinstance(checkpoint, dict) else None
-    if not isinstance(saved, dict) or not {"residual", "model_config"} <= set(saved) or "state_dict" not in checkpoint:
-        raise UserError(f"{path} was not written by mhar_lit (no 'mhar_lit' section with the model and strategy)")
-    strategy = ResidualStrategy.from_config(saved["residual"], allowed)
-    model = DecoderLM(ModelConfig.from_dict(saved["model_config"]), strategy)
-    state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
-    model.load_state_dict(state)
-    return model.eval()
