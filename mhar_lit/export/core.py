@@ -16,7 +16,6 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-
 from mhar_lit.config import ModelConfig
 from mhar_lit.convert.core import write_hf, write_pretrained
 from mhar_lit.convert.hf_config import ConversionError
