@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from typing import Callable, Optional
 
@@ -27,10 +28,17 @@ def debug_enabled() -> bool:
     return os.environ.get("MHAR_DEBUG", "") not in ("", "0")
 
 
+_URI_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@'\"]+):[^@\s/'\"]+@")
+
+
+def redact_credentials(text: str) -> str:
+    """`scheme://user:secret@host` -> `scheme://user:***@host` anywhere in `text` (printed and uploaded
+    configs); the URI the logger uses is left as given."""
+    return _URI_PASSWORD.sub(r"\1:***@", text)
+
+
 def report_user_error(err: BaseException) -> int:
     """Print `error: MESSAGE` to stderr (a URI's password shown as ***) and return the exit code for it."""
-    from mhar_lit.tracking import redact_credentials
-
     print(f"error: {redact_credentials(str(err))}", file=sys.stderr)
     return USER_ERROR_EXIT
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from typing import Any, Optional
 
-from mhar_lit.errors import UserError
+from mhar_lit.errors import UserError, redact_credentials  # noqa: F401 (redact_credentials: its public home)
 
 # An embedded sqlite store in the working directory unless MLFLOW_TRACKING_URI points at a server.
 DEFAULT_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
@@ -94,13 +93,6 @@ def tag_run(trainer: Any, residual: Any, size: str, seed: Optional[str]) -> None
             logger.log_hyperparams(trainer_params(trainer))
 
 # ----------------------------------------------------------------------------- credentials
-_URI_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@'\"]+):[^@\s/'\"]+@")
-
-
-def redact_credentials(text: str) -> str:
-    """`scheme://user:secret@host` -> `scheme://user:***@host` anywhere in `text` (printed and uploaded
-    configs); the URI the logger uses is left as given."""
-    return _URI_PASSWORD.sub(r"\1:***@", text)
 
 
 # ----------------------------------------------------------------------------- one safe first open of a store

@@ -25,6 +25,9 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+# Lightning attaches its log handler to the sys.stderr of the moment it is first imported: imported inside a test, that
+# is the test's capsys stream, closed after it, and every later log line of the process fails to print
+import lightning  # noqa: E402,F401
 from seeds import draw_seed  # noqa: E402
 
 
