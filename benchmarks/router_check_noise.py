@@ -64,6 +64,22 @@ def main() -> None:
         long_case = case_stats("100M", "full", 8, torch.bfloat16, 0, 2048, batch=8)
     json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "long_16k": long_case,
                "seconds": time.time() - t0}, open(args.out, "w"))
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    """grad_query and grad_norm (the tensors the kernels reduce over tokens): L2 of triton / eager, and the scale
+    errors, per row."""
+    print(f"{'case':<34} {'dq L2 tri/eager':>18} {'dg L2 tri/eager':>18} {'dq scale':>9} {'dg scale':>9}")
+    for r in rows:
+        st = r["stats"]
+        name = f"{r['shape']} {r['mode']} H{r['heads']} {r['dtype']} T{r['tokens']} s{r['seed']}"
+        if "error" in st:
+            print(f"{name:<34} {st['error'][:80]}")
+            continue
+        q, g = st["grad_query"], st["grad_norm"]
+        print(f"{name:<34} {q['triton']['l2']:>8.2e}/{q['eager']['l2']:.2e} {g['triton']['l2']:>8.2e}/"
+              f"{g['eager']['l2']:.2e} {q['triton']['scale']:>+9.1e} {g['triton']['scale']:>+9.1e}")
 
 
 if __name__ == "__main__":
