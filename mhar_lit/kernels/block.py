@@ -23,9 +23,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mhar_lit.kernels.common import (_dout_rows, _full_row_tile, _full_row_tile_at, _online_update, _pair_grads,
-                                     _pair_grads_per_head, _query_grad_kr, _query_grad_row, _query_grad_store,
-                                     _query_grad_tile, _rsqrt_mean_square, _site_w, _to_storage)
+from mhar_lit.kernels.common import (_dout_rows, _full_row_tile, _full_row_tile_at, _online_update,
+                                     _pair_grads_per_head, _projected_dl, _query_grad_kr, _query_grad_row,
+                                     _query_grad_store, _query_grad_tile, _rsqrt_mean_square, _site_w, _to_storage)
 
 
 
@@ -108,14 +108,14 @@ def _dl_offsets(site, slot, NB, P, H, zth):
 
 @triton.jit(do_not_specialize=["site", "slot", "own_partial", "has_chain"])
 def _block_site_bwd_kernel(
-    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, chain_ptr, dsrc_ptr,
+    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, z_ptr, chain_ptr, dsrc_ptr,
     site, slot, own_partial, has_chain, NB, P, D, H, K, dout_addr,
     BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
 ):
     """Site `site` (slot `slot` of its block): S = <dout, out> per head into S[slot]; if own_partial (its own
     row is a partial sum, read by no other site) that row's gradient into dsrc: the pair's, minus the RMSNorm
     coupling, plus chain (the next site's dsrc, storage dtype) if has_chain, and the pair's dl into the dl
-    table; dout_addr into dout_ptrs[slot] for the block pass."""
+    table (its logit into the logit table z); dout_addr into dout_ptrs[slot] for the block pass."""
     offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
     zth = tl.arange(0, H_P)[None, :] * P + offs_t[:, None].to(tl.int64)
     row_stride = (tl.full([], 0, tl.int64) + P) * D
@@ -130,10 +130,11 @@ def _block_site_bwd_kernel(
         lse = tl.load(lse_ptr + site * P * H + th, mask=mask_th, other=0.0)
         chain = tl.load(chain_ptr + tile, mask=mask & (has_chain != 0), other=0.0)
         kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
-        dv, dl, c = _pair_grads(v, kr, r, dout, w_HK, lse, S)
-        dv += chain.to(ACC) - (r * r * c / D)[:, None, None] * v
+        dv, dl, c_th, logit = _pair_grads_per_head(v, kr, r, dout, w_HK[None, :, :], lse, S)
+        dv += chain.to(ACC) - (r * r * tl.sum(c_th, axis=1) / D)[:, None, None] * v
         tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
         tl.store(dl_ptr + _dl_offsets(site, NB, NB, P, H, zth), dl, mask=mask_th)
+        tl.store(z_ptr + _dl_offsets(site, NB, NB, P, H, zth), logit, mask=mask_th)
     tl.store(S_ptr + slot * P * H + th, S, mask=mask_th)
     if tl.program_id(0) == 0:  # the block pass finds this dout through the table
         tl.store(dout_ptrs_ptr + slot, dout_addr)
@@ -141,7 +142,7 @@ def _block_site_bwd_kernel(
 
 @triton.jit(do_not_specialize=["block", "s_lo", "n_slots", "span"])
 def _block_pass_bwd_kernel(
-    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, g_ptr, dsrc_ptr,
+    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, z_ptr, g_ptr, dsrc_ptr,
     block, s_lo, n_slots, span, NB, P, D, H, K,
     LAST: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
     SLOT_UNROLL: tl.constexpr, STAGES: tl.constexpr,
@@ -149,7 +150,7 @@ def _block_pass_bwd_kernel(
     """Block `block` (sites s_lo .. s_lo + n_slots - 1: their douts in dout_ptrs[0 .. n_slots), their S in
     S[0 .. n_slots)) is done. One program per token tile and block row j <= block (buffer row j * span; j
     varies fastest, so the block + 1 programs of a tile run together and share its douts in L2): the row's
-    pairs with every site of the block (each pair's dl into the dl table), summed with the coupling into G[j]
+    pairs with every site of the block (each pair's dl and logit into the dl and z tables), summed with the coupling into G[j]
     for j < block (LAST: the last block initialises G), and for j = block into dsrc with G[block]: that row is
     finished. (Its row R_{s_lo + 1} does not contain it, so no chain comes in; the site before reads this dsrc
     as its chain.) SLOT_UNROLL = 2: two sites' loads issued together."""
@@ -171,15 +172,18 @@ def _block_pass_bwd_kernel(
             dout2, S2, lse2, w2 = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot + 1, s_lo,
                                                     slot + 1 < n_slots, tile, mask, th, mask_th, col_HK, mask_hk,
                                                     P, D, H, store_ty, ACC)
-        dv_s, dl, c_s = _pair_grads_per_head(v, kr, r, dout, w, lse, S)
+        dv_s, dl, c_s, logit = _pair_grads_per_head(v, kr, r, dout, w, lse, S)
         dv += dv_s
         c += c_s
         tl.store(dl_ptr + _dl_offsets(s_lo + slot, j, NB, P, H, zth), dl, mask=mask_th)
+        tl.store(z_ptr + _dl_offsets(s_lo + slot, j, NB, P, H, zth), logit, mask=mask_th)
         if SLOT_UNROLL == 2:
-            dv_s, dl, c_s = _pair_grads_per_head(v, kr, r, dout2, w2, lse2, S2)
+            dv_s, dl, c_s, logit = _pair_grads_per_head(v, kr, r, dout2, w2, lse2, S2)
             dv += dv_s
             c += c_s
-            tl.store(dl_ptr + _dl_offsets(s_lo + slot + 1, j, NB, P, H, zth), dl, mask=mask_th & (slot + 1 < n_slots))
+            second = mask_th & (slot + 1 < n_slots)
+            tl.store(dl_ptr + _dl_offsets(s_lo + slot + 1, j, NB, P, H, zth), dl, mask=second)
+            tl.store(z_ptr + _dl_offsets(s_lo + slot + 1, j, NB, P, H, zth), logit, mask=second)
     dv -= (r * r * tl.sum(c, axis=1) / D)[:, None, None] * v
     if not LAST:
         dv += tl.load(g_ptr + j * row_stride + tile, mask=mask, other=0.0)
@@ -200,7 +204,7 @@ def _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot, s_lo, ok, tile
 
 
 @triton.jit(do_not_specialize=["span"])
-def _block_query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, NB, span, P, D, H, K,
+def _block_query_grad_kernel(rows_ptr, r_ptr, dl_ptr, z_ptr, lse_ptr, a_ptr, N, NB, span, P, D, H, K,
                              BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
                              PREC: tl.constexpr, STAGES: tl.constexpr):
     """A_s = sum over the rows s routes over and the tokens of dl(s, row) kr_row, per head, once at the end of
@@ -210,21 +214,36 @@ def _block_query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, NB, span, P, D, 
     kr, summed over the tokens on CUDA cores into the site's row of the partial (as a tensor-core product all
     rows but one would be zero: at 1B, 67 of the 73 rows, each a [128, 64] @ [64, 32] product in two bf16
     terms). The partial a[pid_t, sites, columns] is summed over token blocks on the host in a fixed order
-    (as _query_grad_kernel)."""
+    (as _query_grad_kernel). Every dl enters with its site's dl sum (sigma, a first pass over the dl table)
+    projected out, with its logit from the z table and the site's lse (_projected_dl)."""
     h = tl.program_id(1)
     offs_t, mask_t, offs_s, col, mask_b, tile, mask = _query_grad_tile(P, D, K, BLOCK_T, K_B, S_P)
+    # each site's slot 0 of head h in the [n, NB + 1, H, P] tables (sm_90: 151 -> 138 registers at 350M as a
+    # pointer tile, 1B's 8-byte spill gone)
+    site_slots = h * P + (offs_s.to(tl.int64) * (NB + 1) * H * P)[:, None] + offs_t[None, :]
+    mask_st = (offs_s[:, None] < N) & mask_t[None, :]
+    own_rows = ((offs_s % span != 0) | (offs_s == N - 1))[:, None]  # the sites whose own row is a partial
+    sigma = tl.load(dl_ptr + site_slots + NB * H * P, mask=mask_st & own_rows, other=0.0)
+    for j in range(0, NB):
+        sigma += tl.load(dl_ptr + site_slots + j * H * P, mask=mask_st & (offs_s >= j * span)[:, None], other=0.0)
+    lse = tl.load(lse_ptr + (offs_s[:, None].to(tl.int64) * P + offs_t[None, :]) * H + h, mask=mask_st, other=0.0)
     a = tl.zeros([S_P, K_B], ACC)
-    # each site's dl rows of head h, slot 0 (sm_90: 151 -> 138 registers at 350M, 1B's 8-byte spill gone)
-    dl_sites = dl_ptr + h * P + (offs_s.to(tl.int64) * (NB + 1) * H * P)[:, None] + offs_t[None, :]
     for j in range(0, NB):
         rho = j * span
-        mask_s = (offs_s >= rho) & (offs_s < N)
-        dl = tl.load(dl_sites + j * H * P, mask=mask_s[:, None] & mask_t[None, :], other=0.0)
-        a = _query_grad_row(rows_ptr, r_ptr, rho, dl, a, offs_t, mask_t, tile, mask, P, D, ACC, PREC)
-    own_dl = dl_ptr + (NB * H + h) * P + offs_t  # slot NB of site 0, head h
+        mask_j = mask_st & (offs_s >= rho)[:, None]
+        dl = tl.load(dl_ptr + site_slots + j * H * P, mask=mask_j, other=0.0)
+        logit = tl.load(z_ptr + site_slots + j * H * P, mask=mask_j, other=float("-inf"))
+        a = _query_grad_row(rows_ptr, r_ptr, rho, _projected_dl(dl, logit, lse, sigma), a, offs_t, mask_t, tile,
+                            mask, P, D, ACC, PREC)
+    own_slot = (NB * H + h) * P + offs_t  # slot NB of site 0, head h
     for rho in tl.range(1, N, num_stages=STAGES):  # a block row's loads masked off (its slot NB is not written)
         partial = (rho % span != 0) | (rho == N - 1)
-        dl = tl.load(own_dl + (tl.full([], 0, tl.int64) + rho) * (NB + 1) * H * P, mask=mask_t & partial, other=0.0)
+        own = own_slot + (tl.full([], 0, tl.int64) + rho) * (NB + 1) * H * P
+        dl = tl.load(dl_ptr + own, mask=mask_t & partial, other=0.0)
+        logit = tl.load(z_ptr + own, mask=mask_t & partial, other=float("-inf"))
+        lse_rho = tl.load(lse_ptr + (rho * P + offs_t.to(tl.int64)) * H + h, mask=mask_t & partial, other=0.0)
+        sigma_rho = tl.sum(tl.where(offs_s[:, None] == rho, sigma, 0.0), axis=0)
+        dl = _projected_dl(dl, logit, lse_rho, sigma_rho)
         kr = _query_grad_kr(rows_ptr, r_ptr, rho, offs_t, mask_t & partial, tile, mask & partial, P, D, ACC).to(ACC)
         a += tl.where(offs_s[:, None] == rho, tl.sum(dl[:, None] * kr, axis=0)[None, :], 0.0)
     _query_grad_store(a_ptr, a, N, offs_s, col, mask_b, D)

@@ -189,7 +189,7 @@ class BlockRouting:
         has_chain = not start and site < n - 1
         bw["douts"][site - s0] = dout  # the block pass reads it through bw["dout_ptrs"]
         block_kernels._block_site_bwd_kernel[(self.programs,)](
-            self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["dout_ptrs"], bw["S"], bw["dl"],
+            self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["dout_ptrs"], bw["S"], bw["dl"], bw["z"],
             bw["next_dsrc"] if has_chain else dsrc_PD, dsrc_PD, site, site - s0, int(not start), int(has_chain),
             blocks, *dims, dout.data_ptr(),
             BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
@@ -201,7 +201,7 @@ class BlockRouting:
         grid = (self.pass_programs * (block + 1),)  # a program per tile and row
         block_kernels._block_pass_bwd_kernel[grid](
             self.rows, self.r, self.w_SD, self.lse,
-            bw["dout_ptrs"], bw["S"], bw["dl"], bw["G"], dsrc_PD, block, s0, slots, self.span, blocks, *dims,
+            bw["dout_ptrs"], bw["S"], bw["dl"], bw["z"], bw["G"], dsrc_PD, block, s0, slots, self.span, blocks, *dims,
             LAST=block == blocks - 1, BLOCK_T=self.pass_block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
             SLOT_UNROLL=self.config.pass_unroll, STAGES=self.pass_stages, num_warps=self.pass_warps,
         )
@@ -213,7 +213,7 @@ class BlockRouting:
         token_blocks = triton.cdiv(p, QUERY_GRAD_TOKENS)
         a_part = torch.empty(token_blocks, n, d, dtype=self.acc_t, device=self.device)
         block_kernels._block_query_grad_kernel[(token_blocks, self.heads, triton.cdiv(self.k, self.k_b))](
-            self.rows, self.r, bw["dl"], a_part, n, self.block_rows_before(n - 1), self.span, p, d, self.heads,
+            self.rows, self.r, bw["dl"], bw["z"], self.lse, a_part, n, self.block_rows_before(n - 1), self.span, p, d, self.heads,
             self.k,
             BLOCK_T=QUERY_GRAD_TOKENS, K_B=self.k_b, S_P=max(16, pow2(n)), ACC=self.acc_tl, PREC=self.prec,
             STAGES=self.query_grad_stages, num_warps=4,
@@ -232,6 +232,8 @@ class BlockRouting:
             "S": torch.empty(self.span + 1, p, self.heads, **acc),  # one block's <dout, out> per head
             # every pair's softmax gradient: [site, slot] with slot j for block row j, blocks for the own partial
             "dl": torch.empty(n, blocks + 1, self.heads, p, **acc),
+            # every pair's logit, same layout: the dq/dg pass projects each site's dl sum out with it (_projected_dl)
+            "z": torch.empty(n, blocks + 1, self.heads, p, **acc),
             # block rows' gradients, summed over the blocks reading them (the last block row is finished by the
             # last block's pass, the first in the backward, without one)
             "G": torch.empty(max(blocks - 1, 1), p, d, **acc),

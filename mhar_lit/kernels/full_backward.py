@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from mhar_lit.kernels.common import (_dout_rows, _full_row_tile, _mma, _mma_operand, _mma_weights, _pair_row,
-                                     _query_grad_row, _query_grad_store, _query_grad_tile, _site_w, _to_storage)
+                                     _projected_dl, _query_grad_row, _query_grad_store, _query_grad_tile, _site_w,
+                                     _to_storage)
 
 
 @triton.jit
@@ -410,20 +411,38 @@ def _keypath_kernel(rows_ptr, r_ptr, w_hi_ptr, w_lo_ptr, dl_ptr, dvp_ptr, c_ptr,
 
 
 @triton.jit
-def _query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, P, D, H, K,
+def _query_grad_kernel(rows_ptr, r_ptr, dl_ptr, z_ptr, lse_ptr, a_ptr, N, P, D, H, K,
                        BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
                        PREC: tl.constexpr):
     """A_s = sum over sources j <= s and tokens of dl(s, j) kr_j, per head, once at the end of the
     backward (dq = A g, dg = A q on the host). One program: a token block, a head and a K_B-wide column
     slice; over the sources j it accumulates dl_j^T [sites, BLOCK_T] @ kr_j [BLOCK_T, K_B] on tensor cores
-    and writes its partial a[pid_t, sites, columns] (summed over token blocks on the host, fixed order)."""
+    and writes its partial a[pid_t, sites, columns] (summed over token blocks on the host, fixed order).
+    A first loop over the sources sums each site's dl (sigma), which the second projects out of every dl
+    with the pair's logit z and the site's lse (_projected_dl: S = <dout, out> in fp32, not from the rounded
+    output)."""
     h = tl.program_id(1)
     offs_t, mask_t, offs_s, col, mask_b, tile, mask = _query_grad_tile(P, D, K, BLOCK_T, K_B, S_P)
+    mask_st = (offs_s[:, None] < N) & mask_t[None, :]
+    sigma = tl.zeros([S_P, BLOCK_T], ACC)
+    for j in range(0, N):
+        sigma += tl.load(dl_ptr + _query_grad_pairs(j, offs_s, offs_t, N, P, H, h),
+                         mask=mask_st & (offs_s >= j)[:, None], other=0.0)
+    lse = tl.load(lse_ptr + (offs_s[:, None].to(tl.int64) * P + offs_t[None, :]) * H + h, mask=mask_st, other=0.0)
     a = tl.zeros([S_P, K_B], ACC)
     for j in range(0, N):
-        mask_s = (offs_s >= j) & (offs_s < N)
-        pair = _pair_row(j, tl.maximum(offs_s, j), N)
-        dl = tl.load(dl_ptr + (pair[:, None] * H + h) * P + offs_t[None, :],
-                     mask=mask_s[:, None] & mask_t[None, :], other=0.0)  # [S_P, BLOCK_T]
-        a = _query_grad_row(rows_ptr, r_ptr, j, dl, a, offs_t, mask_t, tile, mask, P, D, ACC, PREC)
+        pairs = _query_grad_pairs(j, offs_s, offs_t, N, P, H, h)
+        mask_j = mask_st & (offs_s >= j)[:, None]
+        dl = tl.load(dl_ptr + pairs, mask=mask_j, other=0.0)  # [S_P, BLOCK_T]
+        logit = tl.load(z_ptr + pairs, mask=mask_j, other=float("-inf"))
+        a = _query_grad_row(rows_ptr, r_ptr, j, _projected_dl(dl, logit, lse, sigma), a, offs_t, mask_t, tile,
+                            mask, P, D, ACC, PREC)
     _query_grad_store(a_ptr, a, N, offs_s, col, mask_b, D)
+
+
+@triton.jit
+def _query_grad_pairs(j, offs_s, offs_t, N, P, H, h):
+    """Offsets [sites, BLOCK_T] of the pairs (source j, site s) of head h in the [pairs, H, P] tables (z, dl);
+    sites s < j are clamped to j (their lanes must stay masked)."""
+    pair = _pair_row(j, tl.maximum(offs_s, j), N)
+    return (pair[:, None] * H + h) * P + offs_t[None, :]

@@ -327,7 +327,7 @@ class FullRouting:
         blocks = triton.cdiv(p, DOT_TOKENS)
         a_part = torch.empty(blocks, n, d, dtype=self.acc_t, device=self.device)
         full_backward._query_grad_kernel[(blocks, self.heads, triton.cdiv(self.k, self.k_b))](
-            self.rows, self.r, bw["dl"], a_part, n, p, d, self.heads, self.k,
+            self.rows, self.r, bw["dl"], self.z, self.lse, a_part, n, p, d, self.heads, self.k,
             BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n), ACC=self.acc_tl, PREC=self.prec, num_warps=4,
         )
         return a_part.sum(0)
