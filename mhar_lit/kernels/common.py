@@ -111,19 +111,12 @@ def _online_update(v, r, w_HK, m, l, acc, store_ty: tl.constexpr):
 
 
 @triton.jit
-def _pair_grads(v, kr, r, dout, w_HK, lse, S):
-    """One (site, source) pair on full-row tiles: the source gradient before the RMSNorm coupling (value path +
-    per-head key path: alpha dout + r dl w), the pair's dl [BLOCK_T, H_P] and its coupling sum_h dl logit
-    [BLOCK_T]."""
-    dv, dl, c_th, _ = _pair_grads_per_head(v, kr, r, dout, w_HK[None, :, :], lse, S)
-    return dv, dl, tl.sum(c_th, axis=1)
-
-
-@triton.jit
 def _pair_grads_per_head(v, kr, r, dout, w, lse, S):
-    """_pair_grads with the coupling per head, dl logit [BLOCK_T, H_P], not yet summed over the heads (a sum
-    that crosses warps: a loop over pairs sums it once, after the loop). w: the site's w_HK as [1, H_P, K_P]
-    or as a full [BLOCK_T, H_P, K_P] tile (_site_w). Also returns the pair's logit (for _projected_dl)."""
+    """One (site, source) pair on full-row tiles: the source gradient before the RMSNorm coupling (value path +
+    per-head key path: alpha dout + r dl w), the pair's dl [BLOCK_T, H_P] and its coupling per head, dl logit
+    [BLOCK_T, H_P], not yet summed over the heads (a sum that crosses warps: a loop over pairs sums it once,
+    after the loop), and its logit (for _projected_dl). w: the site's w_HK as [1, H_P, K_P] or as a full
+    [BLOCK_T, H_P, K_P] tile (_site_w)."""
     logit = tl.sum(kr * w, axis=2)  # [BLOCK_T, H_P]
     alpha = tl.exp(logit - lse)
     dl = alpha * (tl.sum(dout * v, axis=2) - S)

@@ -1,4 +1,4 @@
-"""bf16 accuracy of the Triton routers' query and key-norm gradients against eager PyTorch's, through the router
+"""bf16 accuracy of the Triton routers' (full, block and per-call) query and key-norm gradients against eager PyTorch's, through the router
 check (mhar_lit.routing.check) in the interpreter. The backward takes S = <dout, out> from the output rounded to
 bf16; unless the dq/dg pass projects that rounding out of dl (common._projected_dl), grad_query and grad_norm
 are 3-5x less accurate than eager's (which has S in fp32) while every other compared tensor is as accurate."""
@@ -13,7 +13,7 @@ WIDTH, SITES, TOKENS = 64, 9, 64
 
 
 @pytest.mark.parametrize("heads", [1, 4])
-@pytest.mark.parametrize("mode", ["full", "block"])
+@pytest.mark.parametrize("mode", ["full", "block", "call"])
 def test_query_and_norm_gradients_as_accurate_as_eager_in_bf16(mode, heads):
     seed = draw_seed()
     embedding = torch.randn(1, TOKENS, WIDTH, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
