@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from mhar_lit.kernels.common import (_dout_rows, _full_row_tile, _full_row_tile_at, _online_update,
-                                     _pair_grads_per_head, _projected_dl, _query_grad_kr, _query_grad_row,
+                                     _pair_grads_per_head, _project_pair, _query_grad_kr, _query_grad_row,
                                      _query_grad_store, _query_grad_tile, _rsqrt_mean_square, _site_w, _to_storage)
 
 
@@ -204,7 +204,7 @@ def _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot, s_lo, ok, tile
 
 
 @triton.jit(do_not_specialize=["span"])
-def _block_query_grad_kernel(rows_ptr, r_ptr, dl_ptr, z_ptr, lse_ptr, a_ptr, N, NB, span, P, D, H, K,
+def _block_query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, NB, span, P, D, H, K,
                              BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
                              PREC: tl.constexpr, STAGES: tl.constexpr):
     """A_s = sum over the rows s routes over and the tokens of dl(s, row) kr_row, per head, once at the end of
@@ -214,36 +214,41 @@ def _block_query_grad_kernel(rows_ptr, r_ptr, dl_ptr, z_ptr, lse_ptr, a_ptr, N, 
     kr, summed over the tokens on CUDA cores into the site's row of the partial (as a tensor-core product all
     rows but one would be zero: at 1B, 67 of the 73 rows, each a [128, 64] @ [64, 32] product in two bf16
     terms). The partial a[pid_t, sites, columns] is summed over token blocks on the host in a fixed order
-    (as _query_grad_kernel). Every dl enters with its site's dl sum (sigma, a first pass over the dl table)
-    projected out, with its logit from the z table and the site's lse (_projected_dl)."""
+    (as _query_grad_kernel)."""
     h = tl.program_id(1)
     offs_t, mask_t, offs_s, col, mask_b, tile, mask = _query_grad_tile(P, D, K, BLOCK_T, K_B, S_P)
-    # each site's slot 0 of head h in the [n, NB + 1, H, P] tables (sm_90: 151 -> 138 registers at 350M as a
-    # pointer tile, 1B's 8-byte spill gone)
-    site_slots = h * P + (offs_s.to(tl.int64) * (NB + 1) * H * P)[:, None] + offs_t[None, :]
-    mask_st = (offs_s[:, None] < N) & mask_t[None, :]
-    own_rows = ((offs_s % span != 0) | (offs_s == N - 1))[:, None]  # the sites whose own row is a partial
-    sigma = tl.load(dl_ptr + site_slots + NB * H * P, mask=mask_st & own_rows, other=0.0)
-    for j in range(0, NB):
-        sigma += tl.load(dl_ptr + site_slots + j * H * P, mask=mask_st & (offs_s >= j * span)[:, None], other=0.0)
-    lse = tl.load(lse_ptr + (offs_s[:, None].to(tl.int64) * P + offs_t[None, :]) * H + h, mask=mask_st, other=0.0)
     a = tl.zeros([S_P, K_B], ACC)
+    # each site's dl rows of head h, slot 0 (sm_90: 151 -> 138 registers at 350M, 1B's 8-byte spill gone)
+    dl_sites = dl_ptr + h * P + (offs_s.to(tl.int64) * (NB + 1) * H * P)[:, None] + offs_t[None, :]
     for j in range(0, NB):
         rho = j * span
-        mask_j = mask_st & (offs_s >= rho)[:, None]
-        dl = tl.load(dl_ptr + site_slots + j * H * P, mask=mask_j, other=0.0)
-        logit = tl.load(z_ptr + site_slots + j * H * P, mask=mask_j, other=float("-inf"))
-        a = _query_grad_row(rows_ptr, r_ptr, rho, _projected_dl(dl, logit, lse, sigma), a, offs_t, mask_t, tile,
-                            mask, P, D, ACC, PREC)
-    own_slot = (NB * H + h) * P + offs_t  # slot NB of site 0, head h
+        mask_s = (offs_s >= rho) & (offs_s < N)
+        dl = tl.load(dl_sites + j * H * P, mask=mask_s[:, None] & mask_t[None, :], other=0.0)
+        a = _query_grad_row(rows_ptr, r_ptr, rho, dl, a, offs_t, mask_t, tile, mask, P, D, ACC, PREC)
+    own_dl = dl_ptr + (NB * H + h) * P + offs_t  # slot NB of site 0, head h
     for rho in tl.range(1, N, num_stages=STAGES):  # a block row's loads masked off (its slot NB is not written)
         partial = (rho % span != 0) | (rho == N - 1)
-        own = own_slot + (tl.full([], 0, tl.int64) + rho) * (NB + 1) * H * P
-        dl = tl.load(dl_ptr + own, mask=mask_t & partial, other=0.0)
-        logit = tl.load(z_ptr + own, mask=mask_t & partial, other=float("-inf"))
-        lse_rho = tl.load(lse_ptr + (rho * P + offs_t.to(tl.int64)) * H + h, mask=mask_t & partial, other=0.0)
-        sigma_rho = tl.sum(tl.where(offs_s[:, None] == rho, sigma, 0.0), axis=0)
-        dl = _projected_dl(dl, logit, lse_rho, sigma_rho)
+        dl = tl.load(own_dl + (tl.full([], 0, tl.int64) + rho) * (NB + 1) * H * P, mask=mask_t & partial, other=0.0)
         kr = _query_grad_kr(rows_ptr, r_ptr, rho, offs_t, mask_t & partial, tile, mask & partial, P, D, ACC).to(ACC)
         a += tl.where(offs_s[:, None] == rho, tl.sum(dl[:, None] * kr, axis=0)[None, :], 0.0)
     _query_grad_store(a_ptr, a, N, offs_s, col, mask_b, D)
+
+
+@triton.jit(do_not_specialize=["span"])
+def _block_project_dl_kernel(dl_ptr, z_ptr, lse_ptr, N, NB, span, P, H, BLOCK_T: tl.constexpr):
+    """Every pair of site program_id(2), head program_id(1), token block program_id(0): dl in place with the
+    site's dl sum over its rows projected out (_projected_dl), before _block_query_grad_kernel. The site reads
+    the block rows j * span <= s (slots j < NB) and, where its own row is a partial sum, slot NB."""
+    s = tl.program_id(2)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < P
+    base = ((tl.full([], 0, tl.int64) + s) * (NB + 1) * H + tl.program_id(1)) * P + offs_t
+    mask_own = mask_t & ((s % span != 0) | (s == N - 1))
+    block_rows = tl.minimum(s // span + 1, NB)
+    sigma = tl.load(dl_ptr + base + NB * H * P, mask=mask_own, other=0.0)
+    for j in range(0, block_rows):
+        sigma += tl.load(dl_ptr + base + j * H * P, mask=mask_t, other=0.0)
+    lse = tl.load(lse_ptr + (s * P + offs_t.to(tl.int64)) * H + tl.program_id(1), mask=mask_t, other=0.0)
+    for j in range(0, block_rows):
+        _project_pair(dl_ptr, z_ptr, base + j * H * P, mask_t, lse, sigma)
+    _project_pair(dl_ptr, z_ptr, base + NB * H * P, mask_own, lse, sigma)

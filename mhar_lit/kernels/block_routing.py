@@ -34,7 +34,7 @@ from mhar_lit.kernels import block as block_kernels
 from mhar_lit.kernels.host import (accumulator, aligned, check_site_params, check_storage_dtype, pow2,
                                    split_w, tile_tokens)
 from mhar_lit.kernels.tuning import (BLOCK_PASS_WARPS, PIPELINE_STAGES, PIPELINED_FORWARD_MIN_TOKENS,
-                                     QUERY_GRAD_TOKENS, BlockRoutingConfig, make_config)
+                                     PROJECT_TOKENS, QUERY_GRAD_TOKENS, BlockRoutingConfig, make_config)
 
 
 class BlockRouting:
@@ -208,12 +208,16 @@ class BlockRouting:
         bw["douts"] = [None] * len(bw["douts"])  # the block's douts are read; the block before fills the table
 
     def _query_grad(self) -> Tensor:
-        """A [n, D] from every pair's dl and kr (one launch once all dl exist); dq = A g, dg = A q."""
+        """A [n, D] from every pair's dl and kr (two launches once all dl exist); dq = A g, dg = A q."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
+        # S came from the rounded outputs: project each site's dl sum out first (common._projected_dl)
+        block_kernels._block_project_dl_kernel[(triton.cdiv(p, PROJECT_TOKENS), self.heads, n)](
+            bw["dl"], bw["z"], self.lse, n, self.block_rows_before(n - 1), self.span, p, self.heads,
+            BLOCK_T=PROJECT_TOKENS, num_warps=2)
         token_blocks = triton.cdiv(p, QUERY_GRAD_TOKENS)
         a_part = torch.empty(token_blocks, n, d, dtype=self.acc_t, device=self.device)
         block_kernels._block_query_grad_kernel[(token_blocks, self.heads, triton.cdiv(self.k, self.k_b))](
-            self.rows, self.r, bw["dl"], bw["z"], self.lse, a_part, n, self.block_rows_before(n - 1), self.span, p, d, self.heads,
+            self.rows, self.r, bw["dl"], a_part, n, self.block_rows_before(n - 1), self.span, p, d, self.heads,
             self.k,
             BLOCK_T=QUERY_GRAD_TOKENS, K_B=self.k_b, S_P=max(16, pow2(n)), ACC=self.acc_tl, PREC=self.prec,
             STAGES=self.query_grad_stages, num_warps=4,
@@ -232,7 +236,7 @@ class BlockRouting:
             "S": torch.empty(self.span + 1, p, self.heads, **acc),  # one block's <dout, out> per head
             # every pair's softmax gradient: [site, slot] with slot j for block row j, blocks for the own partial
             "dl": torch.empty(n, blocks + 1, self.heads, p, **acc),
-            # every pair's logit, same layout: the dq/dg pass projects each site's dl sum out with it (_projected_dl)
+            # every pair's logit, same layout: each site's dl sum is projected out with it before dq/dg (_projected_dl)
             "z": torch.empty(n, blocks + 1, self.heads, p, **acc),
             # block rows' gradients, summed over the blocks reading them (the last block row is finished by the
             # last block's pass, the first in the backward, without one)

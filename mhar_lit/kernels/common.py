@@ -13,8 +13,8 @@ Math per (site s, source n, position, head h), with w = q_s * g_s folded in the 
     c_n    += dl * logit                                coupling, summed over heads before use:
     dv_n   -= r_n^2 / D * (sum_h c_n) * v_n             RMSNorm backward through r (rounding as identity)
     A_s    += dl * kr                                   then dq_s = A_s * g_s, dg_s = A_s * q_s (host)
-S is taken from the output rounded to the storage dtype; the dq/dg passes project that rounding out of dl
-(_projected_dl), which the source gradients tolerate and A does not.
+S is taken from the output rounded to the storage dtype; dl is projected (_projected_dl) before A is formed:
+the source gradients tolerate that rounding, A does not.
 
 No atomics: A is written as per-program partials and reduced on the host in a fixed order.
 ACC is a constexpr (tl.float32, or tl.float64 so that float64 gradcheck runs in the interpreter).
@@ -203,14 +203,22 @@ def _query_grad_kr(rows_ptr, r_ptr, row, offs_t, mask_t, tile, mask, P, D, ACC: 
 
 @triton.jit
 def _projected_dl(dl, logit, lse, sigma):
-    """A pair's dl with the sum over its site's sources projected out: dl - alpha * sigma, where sigma [sites,
-    BLOCK_T] is that sum. In exact arithmetic sum_j dl_j = sum_j alpha_j (gdot_j - S) = 0 with S = <dout, out>;
-    the backward takes S from the output rounded to the storage dtype, so in bf16 each site's dl sum is
+    """A pair's dl with the sum over its site's sources projected out: dl - alpha * sigma, where sigma is that
+    sum. In exact arithmetic sum_j dl_j = sum_j alpha_j (gdot_j - S) = 0 with S = <dout, out>; the backward
+    takes S from the output rounded to the storage dtype, so in bf16 each site's dl sum is
     <dout, out - round(out)> (~2^-9 |dout| |out| / sqrt(K)), and that shift of every pair by alpha times it
-    does not cancel in dq/dg = sum dl kr (it cancels in the source gradients up to the key path's small
-    share). Subtracting alpha * sigma gives alpha (gdot - sum_i alpha_i gdot_i): S in fp32, as eager PyTorch
-    computes it. Masked lanes: logit -inf, so alpha is 0."""
+    does not cancel in dq/dg = sum dl kr (3-5x eager's error; in the source gradients it enters only through the
+    small key path). dl - alpha sigma = alpha (gdot - sum_i alpha_i gdot_i): S in fp32, as eager PyTorch has it.
+    Masked lanes: dl 0 and sigma 0."""
     return dl - tl.exp(logit - lse) * sigma
+
+
+@triton.jit
+def _project_pair(dl_ptr, z_ptr, offs, mask, lse, sigma):
+    """One pair's dl in place through _projected_dl (its logit from the logit table z, same layout as dl)."""
+    dl = tl.load(dl_ptr + offs, mask=mask, other=0.0)
+    logit = tl.load(z_ptr + offs, mask=mask, other=0.0)
+    tl.store(dl_ptr + offs, _projected_dl(dl, logit, lse, sigma), mask=mask)
 
 
 @triton.jit

@@ -3,7 +3,7 @@
 `_suffix_dot_bwd_kernel`: one read of a group's rows and of every later dout (tensor-core products per
 token). Then per source either `_column_row_bwd_kernel` (full rows: in-group pairs, key path and coupling in
 one pass) or, per head, `_column_bwd_kernel` (in-group pairs) and `_keypath_kernel`. `_query_grad_kernel`:
-dq, dg as tensor-core contractions over sites and tokens. Math: common.py.
+dq, dg as tensor-core contractions over sites and tokens, on dl projected by `_project_dl_kernel`. Math: common.py.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import triton
 import triton.language as tl
 
 from mhar_lit.kernels.common import (_dout_rows, _full_row_tile, _mma, _mma_operand, _mma_weights, _pair_row,
-                                     _projected_dl, _query_grad_row, _query_grad_store, _query_grad_tile, _site_w,
-                                     _to_storage)
+                                     _project_pair, _query_grad_row, _query_grad_store, _query_grad_tile, _site_w, _to_storage)
 
 
 @triton.jit
@@ -411,38 +410,37 @@ def _keypath_kernel(rows_ptr, r_ptr, w_hi_ptr, w_lo_ptr, dl_ptr, dvp_ptr, c_ptr,
 
 
 @triton.jit
-def _query_grad_kernel(rows_ptr, r_ptr, dl_ptr, z_ptr, lse_ptr, a_ptr, N, P, D, H, K,
+def _query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, P, D, H, K,
                        BLOCK_T: tl.constexpr, K_B: tl.constexpr, S_P: tl.constexpr, ACC: tl.constexpr,
                        PREC: tl.constexpr):
     """A_s = sum over sources j <= s and tokens of dl(s, j) kr_j, per head, once at the end of the
     backward (dq = A g, dg = A q on the host). One program: a token block, a head and a K_B-wide column
     slice; over the sources j it accumulates dl_j^T [sites, BLOCK_T] @ kr_j [BLOCK_T, K_B] on tensor cores
-    and writes its partial a[pid_t, sites, columns] (summed over token blocks on the host, fixed order).
-    A first loop over the sources sums each site's dl (sigma), which the second projects out of every dl
-    with the pair's logit z and the site's lse (_projected_dl: S = <dout, out> in fp32, not from the rounded
-    output)."""
+    and writes its partial a[pid_t, sites, columns] (summed over token blocks on the host, fixed order)."""
     h = tl.program_id(1)
     offs_t, mask_t, offs_s, col, mask_b, tile, mask = _query_grad_tile(P, D, K, BLOCK_T, K_B, S_P)
-    mask_st = (offs_s[:, None] < N) & mask_t[None, :]
-    sigma = tl.zeros([S_P, BLOCK_T], ACC)
-    for j in range(0, N):
-        sigma += tl.load(dl_ptr + _query_grad_pairs(j, offs_s, offs_t, N, P, H, h),
-                         mask=mask_st & (offs_s >= j)[:, None], other=0.0)
-    lse = tl.load(lse_ptr + (offs_s[:, None].to(tl.int64) * P + offs_t[None, :]) * H + h, mask=mask_st, other=0.0)
     a = tl.zeros([S_P, K_B], ACC)
     for j in range(0, N):
-        pairs = _query_grad_pairs(j, offs_s, offs_t, N, P, H, h)
-        mask_j = mask_st & (offs_s >= j)[:, None]
-        dl = tl.load(dl_ptr + pairs, mask=mask_j, other=0.0)  # [S_P, BLOCK_T]
-        logit = tl.load(z_ptr + pairs, mask=mask_j, other=float("-inf"))
-        a = _query_grad_row(rows_ptr, r_ptr, j, _projected_dl(dl, logit, lse, sigma), a, offs_t, mask_t, tile,
-                            mask, P, D, ACC, PREC)
+        mask_s = (offs_s >= j) & (offs_s < N)
+        pair = _pair_row(j, tl.maximum(offs_s, j), N)
+        dl = tl.load(dl_ptr + (pair[:, None] * H + h) * P + offs_t[None, :],
+                     mask=mask_s[:, None] & mask_t[None, :], other=0.0)  # [S_P, BLOCK_T]
+        a = _query_grad_row(rows_ptr, r_ptr, j, dl, a, offs_t, mask_t, tile, mask, P, D, ACC, PREC)
     _query_grad_store(a_ptr, a, N, offs_s, col, mask_b, D)
 
 
 @triton.jit
-def _query_grad_pairs(j, offs_s, offs_t, N, P, H, h):
-    """Offsets [sites, BLOCK_T] of the pairs (source j, site s) of head h in the [pairs, H, P] tables (z, dl);
-    sites s < j are clamped to j (their lanes must stay masked)."""
-    pair = _pair_row(j, tl.maximum(offs_s, j), N)
-    return (pair[:, None] * H + h) * P + offs_t[None, :]
+def _project_dl_kernel(dl_ptr, z_ptr, lse_ptr, N, P, H, BLOCK_T: tl.constexpr):
+    """Every pair of site program_id(2), head program_id(1), token block program_id(0): dl in place with the
+    site's dl sum over its sources j <= s projected out (_projected_dl), before _query_grad_kernel. The second
+    read of the site's dl rows finds them in cache (at most N rows of BLOCK_T values)."""
+    s = tl.program_id(2)
+    h = tl.program_id(1)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < P
+    sigma = tl.zeros([BLOCK_T], dl_ptr.dtype.element_ty)
+    for j in range(0, s + 1):
+        sigma += tl.load(dl_ptr + (_pair_row(j, s, N) * H + h) * P + offs_t, mask=mask_t, other=0.0)
+    lse = tl.load(lse_ptr + (s * P + offs_t.to(tl.int64)) * H + h, mask=mask_t, other=0.0)
+    for j in range(0, s + 1):
+        _project_pair(dl_ptr, z_ptr, (_pair_row(j, s, N) * H + h) * P + offs_t, mask_t, lse, sigma)
