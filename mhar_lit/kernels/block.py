@@ -96,8 +96,9 @@ def _online_update_if(v, r, valid, w_HK, m, l, acc, store_ty: tl.constexpr):
 # cache), its value path, key path and RMSNorm coupling summed in registers and added into G[j] with one fp32
 # read + write (the last block, first in the backward, initialises G); row k, the block's own, is finished
 # into dsrc. Every pair's dl goes into a table dl[n, NB + 1, H, P] (slot j: block row j, slot NB: the site's
-# own partial row), from which one tensor-core pass at the end forms A = sum over pairs and tokens of
-# dl kr (dq = A g, dg = A q), as FullRouting's _query_grad_kernel does for its pair table.
+# own partial row), and every pair's logit into a table z of the same layout; at the end _block_project_dl_kernel
+# projects each site's dl sum out of dl (common._projected_dl) and one tensor-core pass forms A = sum over pairs
+# and tokens of dl kr (dq = A g, dg = A q), as FullRouting's _query_grad_kernel does for its pair table.
 
 @triton.jit
 def _dl_offsets(site, slot, NB, P, H, zth):
@@ -150,10 +151,10 @@ def _block_pass_bwd_kernel(
     """Block `block` (sites s_lo .. s_lo + n_slots - 1: their douts in dout_ptrs[0 .. n_slots), their S in
     S[0 .. n_slots)) is done. One program per token tile and block row j <= block (buffer row j * span; j
     varies fastest, so the block + 1 programs of a tile run together and share its douts in L2): the row's
-    pairs with every site of the block (each pair's dl and logit into the dl and z tables), summed with the coupling into G[j]
-    for j < block (LAST: the last block initialises G), and for j = block into dsrc with G[block]: that row is
-    finished. (Its row R_{s_lo + 1} does not contain it, so no chain comes in; the site before reads this dsrc
-    as its chain.) SLOT_UNROLL = 2: two sites' loads issued together."""
+    pairs with every site of the block (each pair's dl and logit into the dl and z tables), summed with the
+    coupling into G[j] for j < block (LAST: the last block initialises G), and for j = block into dsrc with
+    G[block]: that row is finished. (Its row R_{s_lo + 1} does not contain it, so no chain comes in; the site before
+    reads this dsrc as its chain.) SLOT_UNROLL = 2: two sites' loads issued together."""
     j = tl.program_id(0) % (block + 1)
     offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile_at(
         tl.program_id(0) // (block + 1), P, D, H, K, BLOCK_T, H_P, K_P)

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from mhar_lit.kernels.common import (_dout_rows, _full_row_tile, _mma, _mma_operand, _mma_weights, _pair_row,
-                                     _project_pair, _query_grad_row, _query_grad_store, _query_grad_tile, _site_w, _to_storage)
+                                     _project_pair, _query_grad_row, _query_grad_store, _query_grad_tile, _site_w,
+                                     _to_storage)
 
 
 @triton.jit

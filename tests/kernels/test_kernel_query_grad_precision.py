@@ -1,7 +1,8 @@
-"""bf16 accuracy of the Triton routers' (full, block and per-call) query and key-norm gradients against eager PyTorch's, through the router
-check (mhar_lit.routing.check) in the interpreter. The backward takes S = <dout, out> from the output rounded to
-bf16; unless the dq/dg pass projects that rounding out of dl (common._projected_dl), grad_query and grad_norm
-are 3-5x less accurate than eager's (which has S in fp32) while every other compared tensor is as accurate."""
+"""bf16 accuracy of the Triton routers' (full, block and per-call) query and key-norm gradients against eager
+PyTorch's, through the router check (mhar_lit.routing.check) in the interpreter. The backward takes
+S = <dout, out> from the output rounded to bf16; unless dl is projected before dq/dg (common._projected_dl),
+grad_query and grad_norm are 3-5x less accurate than eager's (which has S in fp32) while every other compared
+tensor is as accurate."""
 
 import pytest
 import torch
