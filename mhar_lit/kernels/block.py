@@ -23,9 +23,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mhar_lit.kernels.common import (_dout_rows, _full_row_tile, _full_row_tile_at, _online_update, _pair_grads,
-                                     _pair_grads_per_head, _query_grad_kr, _query_grad_row, _query_grad_store,
-                                     _query_grad_tile, _rsqrt_mean_square, _site_w, _to_storage)
+from mhar_lit.kernels.common import (_dout_rows, _full_row_tile, _full_row_tile_at, _online_update,
+                                     _pair_grads_per_head, _project_pair, _query_grad_kr, _query_grad_row,
+                                     _query_grad_store, _query_grad_tile, _rsqrt_mean_square, _site_w, _to_storage)
 
 
 
@@ -76,8 +76,9 @@ def _block_fwd_kernel(
 # cache), its value path, key path and RMSNorm coupling summed in registers and added into G[j] with one fp32
 # read + write (the last block, first in the backward, initialises G); row k, the block's own, is finished
 # into dsrc. Every pair's dl goes into a table dl[n, NB + 1, H, P] (slot j: block row j, slot NB: the site's
-# own partial row), from which one tensor-core pass at the end forms A = sum over pairs and tokens of
-# dl kr (dq = A g, dg = A q), as FullRouting's _query_grad_kernel does for its pair table.
+# own partial row), and every pair's logit into a table z of the same layout; at the end _block_project_dl_kernel
+# projects each site's dl sum out of dl (common._projected_dl) and one tensor-core pass forms A = sum over pairs
+# and tokens of dl kr (dq = A g, dg = A q), as FullRouting's _query_grad_kernel does for its pair table.
 
 @triton.jit
 def _dl_offsets(site, slot, NB, P, H, zth):
@@ -88,14 +89,14 @@ def _dl_offsets(site, slot, NB, P, H, zth):
 
 @triton.jit(do_not_specialize=["site", "slot", "own_partial", "has_chain"])
 def _block_site_bwd_kernel(
-    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, chain_ptr, dsrc_ptr,
+    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptr, out_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, z_ptr, chain_ptr, dsrc_ptr,
     site, slot, own_partial, has_chain, NB, P, D, H, K, dout_addr,
     BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
 ):
     """Site `site` (slot `slot` of its block): S = <dout, out> per head into S[slot]; if own_partial (its own
     row is a partial sum, read by no other site) that row's gradient into dsrc: the pair's, minus the RMSNorm
     coupling, plus chain (the next site's dsrc, storage dtype) if has_chain, and the pair's dl into the dl
-    table; dout_addr into dout_ptrs[slot] for the block pass."""
+    table (its logit into the logit table z); dout_addr into dout_ptrs[slot] for the block pass."""
     offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
     zth = tl.arange(0, H_P)[None, :] * P + offs_t[:, None].to(tl.int64)
     row_stride = (tl.full([], 0, tl.int64) + P) * D
@@ -110,10 +111,11 @@ def _block_site_bwd_kernel(
         lse = tl.load(lse_ptr + site * P * H + th, mask=mask_th, other=0.0)
         chain = tl.load(chain_ptr + tile, mask=mask & (has_chain != 0), other=0.0)
         kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
-        dv, dl, c = _pair_grads(v, kr, r, dout, w_HK, lse, S)
-        dv += chain.to(ACC) - (r * r * c / D)[:, None, None] * v
+        dv, dl, c_th, logit = _pair_grads_per_head(v, kr, r, dout, w_HK[None, :, :], lse, S)
+        dv += chain.to(ACC) - (r * r * tl.sum(c_th, axis=1) / D)[:, None, None] * v
         tl.store(dsrc_ptr + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
         tl.store(dl_ptr + _dl_offsets(site, NB, NB, P, H, zth), dl, mask=mask_th)
+        tl.store(z_ptr + _dl_offsets(site, NB, NB, P, H, zth), logit, mask=mask_th)
     tl.store(S_ptr + slot * P * H + th, S, mask=mask_th)
     if tl.program_id(0) == 0:  # the block pass finds this dout through the table
         tl.store(dout_ptrs_ptr + slot, dout_addr)
@@ -121,7 +123,7 @@ def _block_site_bwd_kernel(
 
 @triton.jit(do_not_specialize=["block", "s_lo", "n_slots", "span"])
 def _block_pass_bwd_kernel(
-    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, g_ptr, dsrc_ptr,
+    rows_ptr, r_ptr, w_ptr, lse_ptr, dout_ptrs_ptr, S_ptr, dl_ptr, z_ptr, g_ptr, dsrc_ptr,
     block, s_lo, n_slots, span, NB, P, D, H, K,
     LAST: tl.constexpr, BLOCK_T: tl.constexpr, H_P: tl.constexpr, K_P: tl.constexpr, ACC: tl.constexpr,
     STAGES: tl.constexpr,
@@ -129,10 +131,10 @@ def _block_pass_bwd_kernel(
     """Block `block` (sites s_lo .. s_lo + n_slots - 1: their douts in dout_ptrs[0 .. n_slots), their S in
     S[0 .. n_slots)) is done. One program per token tile and block row j <= block (buffer row j * span; j
     varies fastest, so the block + 1 programs of a tile run together and share its douts in L2): the row's
-    pairs with every site of the block (each pair's dl into the dl table), summed with the coupling into G[j]
-    for j < block (LAST: the last block initialises G), and for j = block into dsrc with G[block]: that row is
-    finished. (Its row R_{s_lo + 1} does not contain it, so no chain comes in; the site before reads this dsrc
-    as its chain.)"""
+    pairs with every site of the block (each pair's dl and logit into the dl and z tables), summed with the
+    coupling into G[j] for j < block (LAST: the last block initialises G), and for j = block into dsrc with
+    G[block]: that row is finished. (Its row R_{s_lo + 1} does not contain it, so no chain comes in; the site before
+    reads this dsrc as its chain.)"""
     j = tl.program_id(0) % (block + 1)
     offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile_at(
         tl.program_id(0) // (block + 1), P, D, H, K, BLOCK_T, H_P, K_P)
@@ -147,10 +149,11 @@ def _block_pass_bwd_kernel(
     for slot in tl.range(0, n_slots, num_stages=STAGES):
         dout, S, lse, w = _block_site_state(dout_ptrs_ptr, S_ptr, lse_ptr, w_ptr, slot, s_lo, slot < n_slots,
                                             tile, mask, th, mask_th, col_HK, mask_hk, P, D, H, store_ty, ACC)
-        dv_s, dl, c_s = _pair_grads_per_head(v, kr, r, dout, w, lse, S)
+        dv_s, dl, c_s, logit = _pair_grads_per_head(v, kr, r, dout, w, lse, S)
         dv += dv_s
         c += c_s
         tl.store(dl_ptr + _dl_offsets(s_lo + slot, j, NB, P, H, zth), dl, mask=mask_th)
+        tl.store(z_ptr + _dl_offsets(s_lo + slot, j, NB, P, H, zth), logit, mask=mask_th)
     dv -= (r * r * tl.sum(c, axis=1) / D)[:, None, None] * v
     if not LAST:
         dv += tl.load(g_ptr + j * row_stride + tile, mask=mask, other=0.0)
@@ -199,3 +202,23 @@ def _block_query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, NB, span, P, D, 
         kr = _query_grad_kr(rows_ptr, r_ptr, rho, offs_t, mask_t & partial, tile, mask & partial, P, D, ACC).to(ACC)
         a += tl.where(offs_s[:, None] == rho, tl.sum(dl[:, None] * kr, axis=0)[None, :], 0.0)
     _query_grad_store(a_ptr, a, N, offs_s, col, mask_b, D)
+
+
+@triton.jit(do_not_specialize=["span"])
+def _block_project_dl_kernel(dl_ptr, z_ptr, lse_ptr, N, NB, span, P, H, BLOCK_T: tl.constexpr):
+    """Every pair of site program_id(2), head program_id(1), token block program_id(0): dl in place with the
+    site's dl sum over its rows projected out (_projected_dl), before _block_query_grad_kernel. The site reads
+    the block rows j * span <= s (slots j < NB) and, where its own row is a partial sum, slot NB."""
+    s = tl.program_id(2)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < P
+    base = ((tl.full([], 0, tl.int64) + s) * (NB + 1) * H + tl.program_id(1)) * P + offs_t
+    mask_own = mask_t & ((s % span != 0) | (s == N - 1))
+    block_rows = tl.minimum(s // span + 1, NB)
+    sigma = tl.load(dl_ptr + base + NB * H * P, mask=mask_own, other=0.0)
+    for j in range(0, block_rows):
+        sigma += tl.load(dl_ptr + base + j * H * P, mask=mask_t, other=0.0)
+    lse = tl.load(lse_ptr + (s * P + offs_t.to(tl.int64)) * H + tl.program_id(1), mask=mask_t, other=0.0)
+    for j in range(0, block_rows):
+        _project_pair(dl_ptr, z_ptr, base + j * H * P, mask_t, lse, sigma)
+    _project_pair(dl_ptr, z_ptr, base + NB * H * P, mask_own, lse, sigma)

@@ -34,7 +34,7 @@ from mhar_lit.kernels import block as block_kernels
 from mhar_lit.kernels.host import (accumulator, aligned, check_site_params, check_storage_dtype, pow2,
                                    split_w, tile_tokens)
 from mhar_lit.kernels.tuning import (BLOCK_PASS_WARPS, PIPELINE_STAGES, PIPELINED_FORWARD_MIN_TOKENS,
-                                     QUERY_GRAD_TOKENS, BlockRoutingConfig, make_config)
+                                     PROJECT_TOKENS, QUERY_GRAD_TOKENS, BlockRoutingConfig, make_config)
 
 
 class BlockRouting:
@@ -189,7 +189,7 @@ class BlockRouting:
         has_chain = not start and site < n - 1
         bw["douts"][site - s0] = dout  # the block pass reads it through bw["dout_ptrs"]
         block_kernels._block_site_bwd_kernel[(self.programs,)](
-            self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["dout_ptrs"], bw["S"], bw["dl"],
+            self.rows, self.r, self.w_SD, self.lse, dout, out_BTD, bw["dout_ptrs"], bw["S"], bw["dl"], bw["z"],
             bw["next_dsrc"] if has_chain else dsrc_PD, dsrc_PD, site, site - s0, int(not start), int(has_chain),
             blocks, *dims, dout.data_ptr(),
             BLOCK_T=self.block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
@@ -201,15 +201,19 @@ class BlockRouting:
         grid = (self.pass_programs * (block + 1),)  # a program per tile and row
         block_kernels._block_pass_bwd_kernel[grid](
             self.rows, self.r, self.w_SD, self.lse,
-            bw["dout_ptrs"], bw["S"], bw["dl"], bw["G"], dsrc_PD, block, s0, slots, self.span, blocks, *dims,
+            bw["dout_ptrs"], bw["S"], bw["dl"], bw["z"], bw["G"], dsrc_PD, block, s0, slots, self.span, blocks, *dims,
             LAST=block == blocks - 1, BLOCK_T=self.pass_block_t, H_P=self.h_p, K_P=self.k_p, ACC=self.acc_tl,
             STAGES=self.pass_stages, num_warps=self.pass_warps,
         )
         bw["douts"] = [None] * len(bw["douts"])  # the block's douts are read; the block before fills the table
 
     def _query_grad(self) -> Tensor:
-        """A [n, D] from every pair's dl and kr (one launch once all dl exist); dq = A g, dg = A q."""
+        """A [n, D] from every pair's dl and kr (two launches once all dl exist); dq = A g, dg = A q."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
+        # S came from the rounded outputs: project each site's dl sum out first (common._projected_dl)
+        block_kernels._block_project_dl_kernel[(triton.cdiv(p, PROJECT_TOKENS), self.heads, n)](
+            bw["dl"], bw["z"], self.lse, n, self.block_rows_before(n - 1), self.span, p, self.heads,
+            BLOCK_T=PROJECT_TOKENS, num_warps=2)
         token_blocks = triton.cdiv(p, QUERY_GRAD_TOKENS)
         a_part = torch.empty(token_blocks, n, d, dtype=self.acc_t, device=self.device)
         block_kernels._block_query_grad_kernel[(token_blocks, self.heads, triton.cdiv(self.k, self.k_b))](
@@ -232,6 +236,8 @@ class BlockRouting:
             "S": torch.empty(self.span + 1, p, self.heads, **acc),  # one block's <dout, out> per head
             # every pair's softmax gradient: [site, slot] with slot j for block row j, blocks for the own partial
             "dl": torch.empty(n, blocks + 1, self.heads, p, **acc),
+            # every pair's logit, same layout: each site's dl sum is projected out with it before dq/dg (_projected_dl)
+            "z": torch.empty(n, blocks + 1, self.heads, p, **acc),
             # block rows' gradients, summed over the blocks reading them (the last block row is finished by the
             # last block's pass, the first in the backward, without one)
             "G": torch.empty(max(blocks - 1, 1), p, d, **acc),

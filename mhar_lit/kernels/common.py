@@ -13,6 +13,8 @@ Math per (site s, source n, position, head h), with w = q_s * g_s folded in the 
     c_n    += dl * logit                                coupling, summed over heads before use:
     dv_n   -= r_n^2 / D * (sum_h c_n) * v_n             RMSNorm backward through r (rounding as identity)
     A_s    += dl * kr                                   then dq_s = A_s * g_s, dg_s = A_s * q_s (host)
+S is taken from the output rounded to the storage dtype; dl is projected (_projected_dl) before A is formed:
+the source gradients tolerate that rounding, A does not.
 
 No atomics: A is written as per-program partials and reduced on the host in a fixed order.
 ACC is a constexpr (tl.float32, or tl.float64 so that float64 gradcheck runs in the interpreter).
@@ -109,24 +111,17 @@ def _online_update(v, r, w_HK, m, l, acc, store_ty: tl.constexpr):
 
 
 @triton.jit
-def _pair_grads(v, kr, r, dout, w_HK, lse, S):
-    """One (site, source) pair on full-row tiles: the source gradient before the RMSNorm coupling (value path +
-    per-head key path: alpha dout + r dl w), the pair's dl [BLOCK_T, H_P] and its coupling sum_h dl logit
-    [BLOCK_T]."""
-    dv, dl, c_th = _pair_grads_per_head(v, kr, r, dout, w_HK[None, :, :], lse, S)
-    return dv, dl, tl.sum(c_th, axis=1)
-
-
-@triton.jit
 def _pair_grads_per_head(v, kr, r, dout, w, lse, S):
-    """_pair_grads with the coupling per head, dl logit [BLOCK_T, H_P], not yet summed over the heads (a sum
-    that crosses warps: a loop over pairs sums it once, after the loop). w: the site's w_HK as [1, H_P, K_P]
-    or as a full [BLOCK_T, H_P, K_P] tile (_site_w)."""
+    """One (site, source) pair on full-row tiles: the source gradient before the RMSNorm coupling (value path +
+    per-head key path: alpha dout + r dl w), the pair's dl [BLOCK_T, H_P] and its coupling per head, dl logit
+    [BLOCK_T, H_P], not yet summed over the heads (a sum that crosses warps: a loop over pairs sums it once,
+    after the loop), and its logit (for _projected_dl). w: the site's w_HK as [1, H_P, K_P] or as a full
+    [BLOCK_T, H_P, K_P] tile (_site_w)."""
     logit = tl.sum(kr * w, axis=2)  # [BLOCK_T, H_P]
     alpha = tl.exp(logit - lse)
     dl = alpha * (tl.sum(dout * v, axis=2) - S)
     dv = alpha[:, :, None] * dout + (dl * r[:, None])[:, :, None] * w
-    return dv, dl, dl * logit
+    return dv, dl, dl * logit, logit
 
 
 @triton.jit
@@ -204,6 +199,26 @@ def _query_grad_kr(rows_ptr, r_ptr, row, offs_t, mask_t, tile, mask, P, D, ACC: 
     r = tl.load(r_ptr + row * P + offs_t, mask=mask_t, other=0.0).to(ACC)
     v = tl.load(rows_ptr + row * row_stride + tile, mask=mask, other=0.0).to(ACC)
     return _to_storage(v * r[:, None], rows_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _projected_dl(dl, logit, lse, sigma):
+    """A pair's dl with the sum over its site's sources projected out: dl - alpha * sigma, where sigma is that
+    sum. In exact arithmetic sum_j dl_j = sum_j alpha_j (gdot_j - S) = 0 with S = <dout, out>; the backward
+    takes S from the output rounded to the storage dtype, so in bf16 each site's dl sum is
+    <dout, out - round(out)> (~2^-9 |dout| |out| / sqrt(K)), and that shift of every pair by alpha times it
+    does not cancel in dq/dg = sum dl kr (3-5x eager's error; in the source gradients it enters only through the
+    small key path). dl - alpha sigma = alpha (gdot - sum_i alpha_i gdot_i): S in fp32, as eager PyTorch has it.
+    Masked lanes: dl 0 and sigma 0."""
+    return dl - tl.exp(logit - lse) * sigma
+
+
+@triton.jit
+def _project_pair(dl_ptr, z_ptr, offs, mask, lse, sigma):
+    """One pair's dl in place through _projected_dl (its logit from the logit table z, same layout as dl)."""
+    dl = tl.load(dl_ptr + offs, mask=mask, other=0.0)
+    logit = tl.load(z_ptr + offs, mask=mask, other=0.0)
+    tl.store(dl_ptr + offs, _projected_dl(dl, logit, lse, sigma), mask=mask)
 
 
 @triton.jit

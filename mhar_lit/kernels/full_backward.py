@@ -3,7 +3,7 @@
 `_suffix_dot_bwd_kernel`: one read of a group's rows and of every later dout (tensor-core products per
 token). Then per source either `_column_row_bwd_kernel` (full rows: in-group pairs, key path and coupling in
 one pass) or, per head, `_column_bwd_kernel` (in-group pairs) and `_keypath_kernel`. `_query_grad_kernel`:
-dq, dg as tensor-core contractions over sites and tokens. Math: common.py.
+dq, dg as tensor-core contractions over sites and tokens, on dl projected by `_project_dl_kernel`. Math: common.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from mhar_lit.kernels.common import (_dout_rows, _full_row_tile, _mma, _mma_operand, _mma_weights, _pair_row,
-                                     _query_grad_row, _query_grad_store, _query_grad_tile, _site_w, _to_storage)
+                                     _project_pair, _query_grad_row, _query_grad_store, _query_grad_tile, _site_w,
+                                     _to_storage)
 
 
 @triton.jit
@@ -427,3 +428,20 @@ def _query_grad_kernel(rows_ptr, r_ptr, dl_ptr, a_ptr, N, P, D, H, K,
                      mask=mask_s[:, None] & mask_t[None, :], other=0.0)  # [S_P, BLOCK_T]
         a = _query_grad_row(rows_ptr, r_ptr, j, dl, a, offs_t, mask_t, tile, mask, P, D, ACC, PREC)
     _query_grad_store(a_ptr, a, N, offs_s, col, mask_b, D)
+
+
+@triton.jit
+def _project_dl_kernel(dl_ptr, z_ptr, lse_ptr, N, P, H, BLOCK_T: tl.constexpr):
+    """Every pair of site program_id(2), head program_id(1), token block program_id(0): dl in place with the
+    site's dl sum over its sources j <= s projected out (_projected_dl), before _query_grad_kernel. The second
+    read of the site's dl rows finds them in cache (at most N rows of BLOCK_T values)."""
+    s = tl.program_id(2)
+    h = tl.program_id(1)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < P
+    sigma = tl.zeros([BLOCK_T], dl_ptr.dtype.element_ty)
+    for j in range(0, s + 1):
+        sigma += tl.load(dl_ptr + (_pair_row(j, s, N) * H + h) * P + offs_t, mask=mask_t, other=0.0)
+    lse = tl.load(lse_ptr + (s * P + offs_t.to(tl.int64)) * H + h, mask=mask_t, other=0.0)
+    for j in range(0, s + 1):
+        _project_pair(dl_ptr, z_ptr, (_pair_row(j, s, N) * H + h) * P + offs_t, mask_t, lse, sigma)

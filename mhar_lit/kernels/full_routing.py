@@ -48,7 +48,8 @@ from torch.autograd.function import once_differentiable
 
 from mhar_lit.kernels import full_backward, full_forward
 from mhar_lit.kernels.host import accumulator, aligned, check_site_params, dot_dim, pow2, split_w, tile_tokens
-from mhar_lit.kernels.tuning import DOT_TOKENS, SUFFIX_SITE_BLOCK, FullRoutingConfig, dot_split, make_config
+from mhar_lit.kernels.tuning import (DOT_TOKENS, PROJECT_TOKENS, SUFFIX_SITE_BLOCK, FullRoutingConfig, dot_split,
+                                     make_config)
 
 
 # The suffix pass keeps a group's fp32 rows of a whole head in shared memory: on an H100 (2026-12-06,
@@ -322,8 +323,11 @@ class FullRouting:
         return dsrc_PD
 
     def _query_grad(self) -> Tensor:
-        """A [N, D] from every pair's dl and kr (one launch once all dl exist); dq = A g, dg = A q."""
+        """A [N, D] from every pair's dl and kr (two launches once all dl exist); dq = A g, dg = A q."""
         bw, p, d, n = self._bwd, self.p, self.shape[2], self.n_sites
+        # S came from the rounded outputs: project each site's dl sum out first (common._projected_dl)
+        full_backward._project_dl_kernel[(triton.cdiv(p, PROJECT_TOKENS), self.heads, n)](
+            bw["dl"], self.z, self.lse, n, p, self.heads, BLOCK_T=PROJECT_TOKENS, num_warps=2)
         blocks = triton.cdiv(p, DOT_TOKENS)
         a_part = torch.empty(blocks, n, d, dtype=self.acc_t, device=self.device)
         full_backward._query_grad_kernel[(blocks, self.heads, triton.cdiv(self.k, self.k_b))](

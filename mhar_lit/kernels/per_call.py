@@ -8,15 +8,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mhar_lit.kernels.common import (_full_row_tile, _online_update, _pair_grads, _rsqrt_mean_square,
+from mhar_lit.kernels.common import (_full_row_tile, _online_update, _pair_grads_per_head, _rsqrt_mean_square,
                                      _to_storage)
 
 
 @triton.jit
 def _pair_bwd(v, kr, r, dout, w_HK, lse, S):
-    """_pair_grads with the pair's A tile [H_P, K_P] (sum over tokens of dl kr) in place of dl."""
-    dv, dl, c = _pair_grads(v, kr, r, dout, w_HK, lse, S)
-    return dv, c, tl.sum(dl[:, :, None] * kr, axis=0)
+    """One source row's pair: its gradient before the RMSNorm coupling, dl [BLOCK_T, H_P], the coupling
+    sum_h dl logit [BLOCK_T], its A tile [H_P, K_P] (sum over tokens of dl kr) and alpha kr [BLOCK_T, H_P, K_P]
+    (for the projection of the site's dl sum, _site_bwd_kernel)."""
+    dv, dl, c_th, logit = _pair_grads_per_head(v, kr, r, dout, w_HK[None, :, :], lse, S)
+    alpha_kr = tl.exp(logit - lse)[:, :, None] * kr
+    return dv, dl, tl.sum(c_th, axis=1), tl.sum(dl[:, :, None] * kr, axis=0), alpha_kr
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -52,7 +55,10 @@ def _site_bwd_kernel(
 ):
     """Per-call routing backward, full rows: S = <dout, out> per head, then every source row's finished
     gradient dsrc[n] (storage dtype, written once) and this program's partial of A (summed over its tokens
-    and the rows) into a[pid] (summed on the host in a fixed order)."""
+    and the rows) into a[pid] (summed on the host in a fixed order). S comes from the output rounded to the
+    storage dtype, so A takes dl with each token's dl sum sigma projected out (common._projected_dl): sum over
+    rows and tokens of (dl - alpha sigma) kr = A - sum over tokens of sigma * (sum over rows of alpha kr), one
+    more register tile and no extra reads."""
     pid = tl.program_id(0)
     offs_t, mask_t, col_HK, mask_hk, tile, mask, th, mask_th = _full_row_tile(P, D, H, K, BLOCK_T, H_P, K_P)
     row_stride = (tl.full([], 0, tl.int64) + P) * D  # int64: rows * P * D may pass 2^31
@@ -63,12 +69,17 @@ def _site_bwd_kernel(
     w_HK = tl.load(w_ptr + col_HK, mask=mask_hk, other=0.0).to(ACC)
     lse = tl.load(lse_ptr + th, mask=mask_th, other=0.0)
     a = tl.zeros([H_P, K_P], ACC)
+    sigma = tl.zeros([BLOCK_T, H_P], ACC)
+    alpha_kr = tl.zeros([BLOCK_T, H_P, K_P], ACC)
     for n in range(0, n_rows):
         v = tl.load(rows_ptr + n * row_stride + tile, mask=mask, other=0.0).to(ACC)
         r = tl.load(r_ptr + n * P + offs_t, mask=mask_t, other=0.0).to(ACC)
         kr = _to_storage(v * r[:, None, None], store_ty).to(ACC)
-        dv, c, a_HK = _pair_bwd(v, kr, r, dout, w_HK, lse, S)
+        dv, dl, c, a_HK, alpha_kr_n = _pair_bwd(v, kr, r, dout, w_HK, lse, S)
         a += a_HK
+        sigma += dl
+        alpha_kr += alpha_kr_n
         dv -= (r * r * c / D)[:, None, None] * v
         tl.store(dsrc_ptr + n * row_stride + tile, _to_storage(dv, dsrc_ptr.dtype.element_ty), mask=mask)
+    a -= tl.sum(sigma[:, :, None] * alpha_kr, axis=0)
     tl.store(a_ptr + pid * D + col_HK, a, mask=mask_hk)

@@ -19,6 +19,8 @@ DEFAULT_GROUP = 16  # most sources per backward suffix pass, spread evenly (bala
 DEFAULT_WARPS = 2
 DEFAULT_TILE = 2048  # elements of one register tile (fixes tokens per program)
 DOT_TOKENS = 64  # tokens per program of the tensor-core kernels (logits, key path, dq/dg)
+# tokens per program of the dl projection before dq/dg (one row of a pair table per load; not tuned on a GPU)
+PROJECT_TOKENS = 256  # with 2 warps: 16-byte loads
 UNROLL_CHOICES = (1, 2, 4)
 # Prefix rows per step: 2 where its loop is pipelined (the async copies keep loads in flight), 4 elsewhere;
 # pipelined (3 stages) from 256 contiguous bytes per row slice (350M faster; 100M, 1B slower; 2026-12-04).
