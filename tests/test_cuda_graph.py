@@ -10,6 +10,7 @@ import torch
 from mhar_lit.lit import cuda_graph
 from mhar_lit.lit.module import LanguageModel
 from mhar_lit.residual import FullAttnRes
+from graph_stand_in import static_buffer_graphs
 
 
 def _fit(module, batches, **trainer_kwargs):
@@ -104,37 +105,10 @@ def test_cuda_graph_false_and_compile_train_eagerly():
     assert LanguageModel(size="tiny", compile=True)._graphed_loss is None
 
 
-def _static_buffer_graphs(loss_module, sample_args, allow_unused_input=False):
-    """A CPU stand-in for make_graphed_callables with its gradient semantics: the backward writes the parameters'
-    gradients into static buffers that every call reuses and returns `buffer.detach()`, as the real one does."""
-    params = [p for p in loss_module.parameters() if p.requires_grad]
-    static_grads = [torch.zeros_like(p) for p in params]
-
-    class Replay(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, inputs, targets, *weights):
-            ctx.save_for_backward(inputs, targets)
-            out = loss_module(inputs, targets)
-            return tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
-
-        @staticmethod
-        def backward(ctx, *grad_outputs):
-            inputs, targets = ctx.saved_tensors
-            with torch.enable_grad():
-                out = loss_module(inputs, targets)
-                outs = out if isinstance(out, tuple) else (out,)
-                grads = torch.autograd.grad(outs, params, grad_outputs, allow_unused=True)
-            for buffer, grad in zip(static_grads, grads):
-                buffer.copy_(grad) if grad is not None else buffer.zero_()
-            return (None, None, *(b.detach() for b in static_grads))
-
-    return lambda inputs, targets: Replay.apply(inputs, targets, *params)
-
-
 def _captured_and_eager_after_accumulation(monkeypatch, accumulate: int):
     monkeypatch.setattr(cuda_graph, "capture_problems", lambda module: [])
     monkeypatch.setattr(cuda_graph, "check_supported", lambda module: None)
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", _static_buffer_graphs)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", static_buffer_graphs)
     torch.manual_seed(0)
     captured = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, warmup_steps=1)
     eager = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, warmup_steps=1, cuda_graph=False)

@@ -20,6 +20,7 @@ from mhar_lit.kernels.linear_cross_entropy import fused_linear_cross_entropy
 from mhar_lit.lit import cuda_graph
 from mhar_lit.lit.module import LanguageModel
 from mhar_lit.residual import FullAttnRes
+from graph_stand_in import static_buffer_graphs
 
 
 def plain_loss(hidden, weight, targets, z_weight):
@@ -132,40 +133,12 @@ def test_language_model_fused_loss_trains_the_same_function():
         torch.testing.assert_close(g_fused[name], g_plain[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _static_buffer_graphs(loss_module, sample_args, allow_unused_input=False):
-    """CPU stand-in for make_graphed_callables with its gradient semantics (static gradient buffers every replay
-    rewrites; see tests/test_cuda_graph.py)."""
-    params = [p for p in loss_module.parameters() if p.requires_grad]
-    static_grads = [torch.zeros_like(p) for p in params]
-
-    class Replay(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, inputs, targets, *weights):
-            ctx.save_for_backward(inputs, targets)
-            out = loss_module(inputs, targets)
-            return tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
-
-        @staticmethod
-        def backward(ctx, *grad_outputs):
-            inputs, targets = ctx.saved_tensors
-            with torch.enable_grad():
-                out = loss_module(inputs, targets)
-                outs = out if isinstance(out, tuple) else (out,)
-                pairs = [(o, g) for o, g in zip(outs, grad_outputs) if o.requires_grad]  # fused z has no gradient
-                grads = torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs], allow_unused=True)
-            for buffer, grad in zip(static_grads, grads):
-                buffer.copy_(grad) if grad is not None else buffer.zero_()
-            return (None, None, *(b.detach() for b in static_grads))
-
-    return lambda inputs, targets: Replay.apply(inputs, targets, *params)
-
-
 def test_captured_fused_step_equals_the_eager_fused_step_under_accumulation(monkeypatch):
     """The fused loss inside the captured unit (stand-in) trains exactly as eagerly: 2 optimizer steps of 2
     microbatches, parameters bitwise equal."""
     monkeypatch.setattr(cuda_graph, "capture_problems", lambda module: [])
     monkeypatch.setattr(cuda_graph, "check_supported", lambda module: None)
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", _static_buffer_graphs)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", static_buffer_graphs)
     torch.manual_seed(0)
     captured = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, fused_loss=True, warmup_steps=1)
     eager = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, fused_loss=True, warmup_steps=1,

@@ -12,40 +12,7 @@ import torch
 from mhar_lit.lit import cuda_graph
 from mhar_lit.lit.module import LanguageModel
 from mhar_lit.residual import FullAttnRes
-
-
-def _graphs_replaying_the_captured_autocast(loss_module, sample_args, allow_unused_input=False):
-    if torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled():
-        raise RuntimeError("make_graphed_callables does not support the autocast caching")
-    captured = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
-    params = [p for p in loss_module.parameters() if p.requires_grad]
-    static_grads = [torch.zeros_like(p) for p in params]
-
-    def as_captured():
-        if captured is None:
-            return torch.autocast("cpu", enabled=False)
-        return torch.autocast("cpu", dtype=captured, cache_enabled=False)
-
-    class Replay(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, inputs, targets, *weights):
-            ctx.save_for_backward(inputs, targets)
-            with as_captured():
-                out = loss_module(inputs, targets)
-            return tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
-
-        @staticmethod
-        def backward(ctx, *grad_outputs):
-            inputs, targets = ctx.saved_tensors
-            with torch.enable_grad(), as_captured():
-                out = loss_module(inputs, targets)
-                outs = out if isinstance(out, tuple) else (out,)
-                grads = torch.autograd.grad(outs, params, grad_outputs, allow_unused=True)
-            for buffer, grad in zip(static_grads, grads):
-                buffer.copy_(grad) if grad is not None else buffer.zero_()
-            return (None, None, *(b.detach() for b in static_grads))
-
-    return lambda inputs, targets: Replay.apply(inputs, targets, *params)
+from graph_stand_in import static_buffer_graphs
 
 
 def _fit(module, batches, precision):
@@ -59,7 +26,7 @@ def _fit(module, batches, precision):
 def captured_and_eager(monkeypatch):
     monkeypatch.setattr(cuda_graph, "capture_problems", lambda module: [])
     monkeypatch.setattr(cuda_graph, "check_supported", lambda module: None)
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", _graphs_replaying_the_captured_autocast)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", static_buffer_graphs)
     torch.manual_seed(0)
     captured = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, warmup_steps=1)
     eager = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, warmup_steps=1, cuda_graph=False)

@@ -1,0 +1,44 @@
+"""A CPU stand-in for torch.cuda.make_graphed_callables with the semantics the training path depends on:
+
+- gradients: the backward writes the parameters' gradients into static buffers that every call reuses and returns
+  `buffer.detach()`, as the real one does (what GraphGradients guards against under accumulation);
+- autocast: the autocast state at capture is the one every replay runs, forward and backward, whatever autocast
+  surrounds the replay; autocast's weight cache is refused at capture, as the real one refuses it.
+Outputs that carry no gradient (the fused loss's z, for logging) are left out of the backward."""
+
+import torch
+
+
+def static_buffer_graphs(loss_module, sample_args, allow_unused_input=False):
+    if torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled():
+        raise RuntimeError("make_graphed_callables does not support the autocast caching")
+    captured = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+    params = [p for p in loss_module.parameters() if p.requires_grad]
+    static_grads = [torch.zeros_like(p) for p in params]
+
+    def as_captured():
+        if captured is None:
+            return torch.autocast("cpu", enabled=False)
+        return torch.autocast("cpu", dtype=captured, cache_enabled=False)
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inputs, targets, *weights):
+            ctx.save_for_backward(inputs, targets)
+            with as_captured():
+                out = loss_module(inputs, targets)
+            return tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
+
+        @staticmethod
+        def backward(ctx, *grad_outputs):
+            inputs, targets = ctx.saved_tensors
+            with torch.enable_grad(), as_captured():
+                out = loss_module(inputs, targets)
+                outs = out if isinstance(out, tuple) else (out,)
+                pairs = [(o, g) for o, g in zip(outs, grad_outputs) if o.requires_grad]
+                grads = torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs], allow_unused=True)
+            for buffer, grad in zip(static_grads, grads):
+                buffer.copy_(grad) if grad is not None else buffer.zero_()
+            return (None, None, *(b.detach() for b in static_grads))
+
+    return lambda inputs, targets: Replay.apply(inputs, targets, *params)
