@@ -34,7 +34,8 @@ from mhar_lit.kernels import block as block_kernels
 from mhar_lit.kernels.host import (accumulator, aligned, check_site_params, check_storage_dtype, pow2,
                                    split_w, tile_tokens)
 from mhar_lit.kernels.tuning import (BLOCK_PASS_WARPS, PIPELINE_STAGES, PIPELINED_FORWARD_MIN_TOKENS,
-                                     PROJECT_TOKENS, QUERY_GRAD_TOKENS, BlockRoutingConfig, make_config)
+                                     PROJECT_TOKENS, QUERY_GRAD_TOKENS, BlockRoutingConfig, column_slice,
+                                     make_config)
 
 
 class BlockRouting:
@@ -66,7 +67,7 @@ class BlockRouting:
         self.fwd_stages = cfg.stages or (PIPELINE_STAGES if self.block_t >= PIPELINED_FORWARD_MIN_TOKENS else 1)
         self.pass_stages = cfg.stages or 1
         self.query_grad_stages = cfg.stages or PIPELINE_STAGES
-        self.k_b = 32 if self.k >= 32 else 16  # column slice of the dq/dg pass (as FullRouting's)
+        self.k_b = column_slice(self.k)  # column slice of the dq/dg pass (as FullRouting's)
         self.prec = "ieee" if self.acc_t == torch.float64 else "tf32x3"  # fp32-accurate tensor-core dots
         self.param_dtypes = (query_SD.dtype, norm_weight_SD.dtype)
         with torch.no_grad():

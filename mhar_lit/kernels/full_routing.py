@@ -48,8 +48,8 @@ from torch.autograd.function import once_differentiable
 
 from mhar_lit.kernels import full_backward, full_forward
 from mhar_lit.kernels.host import accumulator, aligned, check_site_params, dot_dim, pow2, split_w, tile_tokens
-from mhar_lit.kernels.tuning import (DOT_TOKENS, PROJECT_TOKENS, SUFFIX_SITE_BLOCK, FullRoutingConfig, dot_split,
-                                     make_config)
+from mhar_lit.kernels.tuning import (DOT_TOKENS, PROJECT_TOKENS, SUFFIX_SITE_BLOCK, FullRoutingConfig, column_slice,
+                                     dot_split, make_config)
 
 
 # The suffix pass keeps a group's fp32 rows of a whole head in shared memory: on an H100 (2026-12-06,
@@ -85,7 +85,7 @@ class FullRouting:
         self.acc_t, self.acc_tl = accumulator(self.dtype)
         self.p, self.k = b * t, d // heads
         self.h_p, self.k_p = pow2(heads), pow2(self.k)
-        self.k_b = 32 if self.k >= 32 else 16  # column slice of the tensor-core products
+        self.k_b = column_slice(self.k)  # column slice of the tensor-core products (logits, key path, dq/dg)
         self.k_split = dot_split(self.k)  # the suffix pass's head columns: two power-of-two slices
         self.k_w = self.config.column_width  # the forward passes' columns per program
         self.k_blocks = triton.cdiv(self.k, self.k_w)
@@ -292,7 +292,7 @@ class FullRouting:
         full_backward._keypath_kernel[(triton.cdiv(p, cfg.keypath_tokens), self.heads)](
             self.rows, self.r, *self.w_terms, bw["dl"], bw["dvp"], bw["c"], dsrc_PD, site, n, p, d, self.heads,
             self.k,
-            BLOCK_T=cfg.keypath_tokens, K_B=cfg.keypath_width, S_P=dot_dim(n - site), H_P=self.h_p, ACC=self.acc_tl,
+            BLOCK_T=cfg.keypath_tokens, K_B=self.k_b, S_P=dot_dim(n - site), H_P=self.h_p, ACC=self.acc_tl,
             PREC=self.prec, num_warps=cfg.keypath_warps,
         )
         return dsrc_PD

@@ -43,7 +43,8 @@ KEYPATH_WARPS = 4
 class FullRoutingConfig:
     """FullRouting's knobs; 0 / "" = the measured default for the shape (see `resolved`). column_tokens and
     column_warps apply to whichever column kernel column_impl picks; prefix_stages and prefix_unroll to the
-    prefix pass's row loop."""
+    prefix pass's row loop. Each field is one that an H200 sweep (`benchmarks/routing.py --tune --grid`,
+    benchmarks/results/routing.md) has set; the key path's column slice follows the head width (column_slice)."""
 
     chunk: int = DEFAULT_CHUNK
     group: int = 0
@@ -62,7 +63,6 @@ class FullRoutingConfig:
     column_sites: int = 0
     keypath_tokens: int = 0
     keypath_warps: int = 0
-    keypath_width: int = 0
     logits_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -83,10 +83,8 @@ class FullRoutingConfig:
         for name in ("logits_tokens", "keypath_tokens"):
             if 0 < getattr(self, name) < 16:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 16: a tensor-core product over tokens")
-        for name, least in (("keypath_width", 16), ("column_sites", 1)):
-            value = getattr(self, name)
-            if value < 0 or value & (value - 1) or 0 < value < least:
-                raise ValueError(f"{name} ({value}) must be 0 (automatic) or a power of two >= {least}")
+        if self.column_sites < 0 or self.column_sites & (self.column_sites - 1):
+            raise ValueError(f"column_sites ({self.column_sites}) must be 0 (automatic) or a power of two")
         if self.prefix_stages < 0:
             raise ValueError(f"prefix_stages ({self.prefix_stages}) must be 0 (by row width) or a number of loop "
                              "stages >= 1")
@@ -101,9 +99,6 @@ class FullRoutingConfig:
         k_w = column_block(k, self.column_width)
         stages = self.prefix_stages or (PIPELINED_PREFIX_STAGES if k_w * itemsize >= PIPELINE_MIN_BYTES else 1)
         unroll = self.prefix_unroll or (PIPELINED_PREFIX_UNROLL if stages > 1 else UNPIPELINED_PREFIX_UNROLL)
-        if self.keypath_width > dot_dim(k):
-            raise ValueError(f"keypath_width ({self.keypath_width}) is wider than the padded head ({dot_dim(k)} "
-                             f"columns for head width {k})")
         column_sites = self.column_sites or COLUMN_SITE_BLOCK
         if impl == "row":
             column_tokens = self.column_tokens or tile_tokens(pow2(heads) * pow2(k), ROW_COLUMN_TILE)
@@ -118,7 +113,7 @@ class FullRoutingConfig:
             column_tokens=column_tokens,
             column_warps=self.column_warps or (ROW_COLUMN_WARPS if impl == "row" else self.num_warps),
             column_sites=column_sites, keypath_tokens=self.keypath_tokens or DOT_TOKENS,
-            keypath_warps=self.keypath_warps or KEYPATH_WARPS, keypath_width=self.keypath_width or column_slice(k),
+            keypath_warps=self.keypath_warps or KEYPATH_WARPS,
             logits_tokens=self.logits_tokens or DOT_TOKENS,
         )
 

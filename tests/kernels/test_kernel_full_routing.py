@@ -128,26 +128,29 @@ def test_unroll_and_tiling_change_nothing():
     for impl in IMPLS:  # other token tiles, warps and column tiles, for every kernel version
         tiled = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, suffix_tokens=8,
                                   suffix_warps=8, prefix_tokens=4, prefix_warps=2, column_tokens=2,
-                                  column_warps=4, keypath_tokens=16, keypath_warps=2, keypath_width=16,
+                                  column_warps=4, keypath_tokens=16, keypath_warps=2,
                                   column_sites=1, prefix_stages=3, logits_tokens=16, **impl)
         for name, a, b in zip(NAMES, tiled, base):
             assert rel(a, b) <= 1e-6, f"{impl} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
 
 
 def test_keypath_slices_and_column_steps_match_float64():
-    """K = 48: the key path in 16-wide column slices (three, prefetched one ahead) or one padded 64-wide slice,
-    and the column kernel's in-group sites in steps of 1, 2 or 4 (group 5: several steps, a partial last one)
-    all match float64 as the default tiles do."""
+    """The key path in 32-wide column slices, the next one's loads issued before the current one's product: K = 48
+    (two slices, the second half padding) and K = 96 (three full slices, 100M's head); and the column kernel's
+    in-group sites in steps of 1, 2 or 4 (group 5: several steps, a partial last one). All match float64."""
     gen = fresh_generator()
-    problem = full_mode_problem(11, 2, 3, 96, gen)
-    exact = full_mode_output_and_grads("torch", *problem, 2, torch.float64)
-    ref32 = full_mode_output_and_grads("torch", *problem, 2, torch.float32)
-    for knobs in (dict(keypath_width=16), dict(keypath_width=64), dict(column_sites=1), dict(column_sites=2),
-                  dict(column_sites=4, keypath_width=16)):
-        got = full_mode_output_and_grads("triton", *problem, 2, torch.float32, chunk=3, group=5, **knobs)
-        for name, a, x, r in zip(NAMES, got, exact, ref32):
-            assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), (
-                f"{knobs} {name}: {rel(a, x):.1e}, fp32 reference {rel(r, x):.1e} (seed {gen.initial_seed()})")
+    # K = 96 with queries of std 0.25 * sqrt(48 / 96): the same logit scale as K = 48 (see full_mode_problem)
+    for d, query_std, steps in ((96, 0.25, (1, 2, 4)), (192, 0.25 * 0.5 ** 0.5, (0,))):
+        problem = full_mode_problem(11, 2, 3, d, gen, query_std=query_std)
+        exact = full_mode_output_and_grads("torch", *problem, 2, torch.float64)
+        ref32 = full_mode_output_and_grads("torch", *problem, 2, torch.float32)
+        for sites in steps:
+            got = full_mode_output_and_grads("triton", *problem, 2, torch.float32, chunk=3, group=5,
+                                             column_sites=sites)
+            for name, a, x, r in zip(NAMES, got, exact, ref32):
+                assert rel(a, x) <= max(1e-5, 2 * rel(r, x)), (
+                    f"K {d // 2}, column_sites {sites} {name}: {rel(a, x):.1e}, fp32 reference {rel(r, x):.1e} "
+                    f"(seed {gen.initial_seed()})")
 
 
 def test_row_column_kernel_in_one_group_and_its_tiles_match_float64():
@@ -256,9 +259,6 @@ def test_column_blocks_change_nothing():
     (dict(prefix_unroll=3), "prefix_unroll must be one of"),
     (dict(suffix_tokens=3), "power of two"),
     (dict(suffix_warps=-1), "suffix_warps"),
-    (dict(keypath_width=8), "keypath_width"),
-    (dict(keypath_width=-16), "keypath_width"),
-    (dict(keypath_width=1024), "wider than the padded head"),
     (dict(column_sites=3), "column_sites"),
     (dict(prefix_tokens=6), "prefix_tokens"),
     (dict(column_width=3), "column_width 3 must be a power of two dividing"),
