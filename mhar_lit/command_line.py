@@ -89,6 +89,51 @@ class OneLineErrors:
         raise SystemExit(USER_ERROR_EXIT)
 
 
+class RequiredGroupsAfterUnknown:
+    """Parser mixin: a required mutually exclusive group (generate's --prompt / --prompt_file / --prompts_jsonl)
+    is checked after the unrecognised arguments, as jsonargparse already does for required flags. argparse
+    checks such a group while parsing, so `--ckptt x.ckpt --prompt hi` would read "one of the arguments
+    --prompt ... is required" when the mistake is the typo: the typo has to be named first."""
+
+    _deferred_groups: tuple = ()  # the required groups, while parsing (marked not required then)
+
+    def _parse_known_args(self, *args: Any, **kwargs: Any):
+        self._deferred_groups = tuple(g for g in self._mutually_exclusive_groups if g.required)
+        self._mark_required(False)
+        try:
+            return super()._parse_known_args(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._mark_required(True)
+            self._deferred_groups = ()
+
+    def _mark_required(self, required: bool) -> None:
+        for group in self._deferred_groups:
+            group.required = required
+
+    def format_usage(self) -> str:
+        return self._as_declared(super().format_usage)  # type: ignore[misc]
+
+    def format_help(self) -> str:
+        return self._as_declared(super().format_help)  # type: ignore[misc]
+
+    def _as_declared(self, format_text) -> str:
+        """--help is answered while parsing: its text shows the deferred groups as required."""
+        self._mark_required(True)
+        try:
+            return format_text()
+        finally:
+            self._mark_required(False)
+
+    def parse_args(self, *args: Any, **kwargs: Any):
+        parsed = super().parse_args(*args, **kwargs)  # type: ignore[misc]  # reports unknown arguments first
+        for group in self._mutually_exclusive_groups:
+            actions = group._group_actions
+            if group.required and all(parsed.get(a.dest) == a.default for a in actions):
+                names = " ".join(argparse._get_action_name(a) for a in actions)
+                self.error(f"one of the arguments {names} is required")
+        return parsed
+
+
 def _help_formatter():
     """jsonargparse's help formatter keeping the description's line breaks (its usage examples)."""
     from jsonargparse import DefaultHelpFormatter
@@ -100,7 +145,8 @@ def command_parser(command: str, description: str, unknown_hint: str = ""):
     """The jsonargparse parser of `python -m mhar_lit COMMAND`, with one-line errors."""
     from jsonargparse import ArgumentParser
 
-    cls = type("CommandParser", (OneLineErrors, ArgumentParser), {"unknown_hint": unknown_hint})
+    cls = type("CommandParser", (OneLineErrors, RequiredGroupsAfterUnknown, ArgumentParser),
+               {"unknown_hint": unknown_hint})
     return cls(prog=f"python -m mhar_lit {command}", description=description, formatter_class=_help_formatter())
 
 
