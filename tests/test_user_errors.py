@@ -3,6 +3,7 @@ key), every reader refuses a checkpoint whose sha256 sidecar does not match (or 
 and a URI's password never reaches the terminal."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -69,6 +70,26 @@ def test_an_empty_corpus_and_a_bad_val_fraction_are_one_line(tmp_path):
                                         "--data.val_fraction", "1.0", cwd=tmp_path))
     assert "data.val_fraction must be in [0, 1), got 1.0" in whole and "perplexity" in whole
 
+
+
+def test_what_the_data_preparation_found_is_warned_once_per_fit(tmp_path, caplog):
+    """A fit calls prepare_data (build or reuse) and then setup (lookup): no validation document and a skipped
+    non-UTF-8 file are each one warning, on the first fit (build) and on the next (reuse)."""
+    from mhar_lit.data.datamodule import TokenDataModule
+
+    corpus = tiny_corpus(tmp_path)
+    (corpus / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    for fit in ("build", "reuse"):
+        caplog.clear()
+        data = TokenDataModule(data=str(corpus), seq_len=32, batch_size=4, num_workers=0, val_fraction=1e-9,
+                               cache_dir=str(tmp_path / "cache"))
+        with caplog.at_level(logging.WARNING, logger="mhar_lit.data"):
+            data.prepare_data()
+            data.setup("fit")
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert sum("no document fell in the validation split" in m for m in warned) == 1, (fit, warned)
+        assert sum("skipped as not UTF-8" in m for m in warned) == 1, (fit, warned)
+        assert data.val_dataset is None
 
 @pytest.mark.parametrize("command", ["generate", "export", "probe", "perplexity", "sweep", "compare", "convert"])
 def test_every_tool_refuses_an_unknown_flag_in_one_line_with_exit_code_2(command, capsys, monkeypatch):

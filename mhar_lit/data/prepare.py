@@ -351,11 +351,13 @@ def verify_prepared(final: Path, required: bool = True) -> None:
         log.info("verified %.1f MB of prepared tokens in %.2f s (%s)", read / 1e6, time.perf_counter() - start, final)
 
 
-def _result(final: Path, meta: dict) -> PreparedData:
+def _result(final: Path, meta: dict, report: bool) -> PreparedData:
+    """Where the prepared splits are; `report`: warn about what the preparation found (once per fit: the build or
+    reuse in prepare_data reports, the lookup in setup does not)."""
     has_val = meta["stats"].get("val", {}).get("tokens", 0) > 0
-    if meta["val_fraction"] > 0 and not has_val:
+    if report and meta["val_fraction"] > 0 and not has_val:
         log.warning("no document fell in the validation split (val_fraction=%s); validation is off", meta["val_fraction"])
-    if meta["skipped_files"]:
+    if report and meta["skipped_files"]:
         log.warning("%d input file(s) were skipped as not UTF-8 (listed in %s)", len(meta["skipped_files"]), final / "meta.json")
     return PreparedData(str(final / "train"), str(final / "val") if has_val else None, meta)
 
@@ -395,7 +397,8 @@ def prepare(
     dataset (a directory with index.json, one with train/ and val/, or an s3:// URI), used as is.
     `num_workers`: tokenization processes (default: 1 below 8 MB of input, else min(8, CPUs)); the prepared
     tokens are the same for any value. `build=False` only looks the cache up and raises if it is missing (for
-    ranks that must not build). `verify` checks a reused dataset's chunk checksums (once per file per process).
+    ranks that must not build, and for setup after prepare_data) and repeats none of the build's warnings.
+    `verify` checks a reused dataset's chunk checksums (once per file per process).
     """
     if not 0.0 <= val_fraction < 1.0:
         raise InputError(f"data.val_fraction must be in [0, 1), got {val_fraction} (training keeps the rest of the "
@@ -417,14 +420,14 @@ def prepare(
         log.info("reusing prepared tokens at %s", final)
         if verify:
             verify_prepared(final)
-        return _result(final, json.loads((final / "meta.json").read_text()))
+        return _result(final, json.loads((final / "meta.json").read_text()), report=build)
     if not build:
         raise FileNotFoundError(f"prepared tokens not found at {final}; run prepare_data() (or prepare()) first")
 
     source = _source_key(specs, max_corpus_bytes, tokenizer, settings)
     meta = _build_and_publish(files, final, tokenizer, settings, source, strict, num_workers)
     _prune_old_copies(cache, source)
-    return _result(final, meta)
+    return _result(final, meta, report=True)
 
 
 def _build_and_publish(files, final: Path, tokenizer, settings: dict, source: str, strict: bool, num_workers) -> dict:
