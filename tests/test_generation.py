@@ -423,6 +423,40 @@ def test_generate_command_on_a_converted_directory(tmp_path, capsys):
     assert capsys.readouterr().out.endswith("\n")
 
 
+
+# `python -m mhar_lit generate ARGS` in a fresh interpreter; writes which heavy modules it imported to a file.
+_GENERATE_AND_LIST_IMPORTS = """
+import json, sys
+from mhar_lit.cli import main
+try:
+    main(sys.argv[2:])
+except SystemExit as done:
+    assert not done.code, done.code
+heavy = [name for name in ("lightning", "pytorch_lightning", "torch._dynamo") if name in sys.modules]
+open(sys.argv[1], "w").write(json.dumps(heavy))
+"""
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "directory"])
+def test_generate_imports_neither_lightning_nor_dynamo(source, trained_ckpt, tmp_path):
+    """Generation is PyTorch only: from a fit's .ckpt (whose model is rebuilt without mhar_lit.lit) or a saved
+    directory (built on the meta device, then loaded), Lightning and torch._dynamo stay unimported (the latter
+    costs about 2 s)."""
+    from mhar_lit.convert import save_pretrained
+
+    if source == "checkpoint":
+        ckpt = str(trained_ckpt)
+    else:
+        ckpt = str(tmp_path / "model")
+        save_pretrained(randomised_model("full", 4), ckpt)
+    listed = tmp_path / "imported.json"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", _GENERATE_AND_LIST_IMPORTS, str(listed), "generate", "--ckpt", ckpt,
+                           "--tokenizer", "bytes", "--prompt", "def ", "--max_new_tokens", "3"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(listed.read_text()) == [], done.stderr[-3000:]
+
 # ---------------------------------------------------------------------------------------------- SampleText
 def test_sample_text_logs_continuations_to_mlflow(tmp_path):
     import lightning as L

@@ -34,7 +34,7 @@ from mhar_lit.convert.hf_config import (
     model_config_from_hf,
 )
 from mhar_lit.convert.io import DEFAULT_MAX_SHARD_BYTES, Planned, TensorReader, staged_directory, write_tensors
-from mhar_lit.models.decoder import DecoderLM, RotaryEmbedding
+from mhar_lit.models.decoder import DecoderLM
 from mhar_lit.residual.base import ResidualStrategy
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def _parse_dtype(dtype: Optional[str | torch.dtype]) -> Optional[torch.dtype]:
 def _meta_model(cfg: ModelConfig, strategy: ResidualStrategy) -> DecoderLM:
     """The model's structure without allocating or initialising its weights."""
     with torch.device("meta"):
-        return DecoderLM(cfg, strategy)
+        return DecoderLM(cfg, strategy, init_weights=False)
 
 
 def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -339,8 +339,6 @@ def build_from_weights(cfg: ModelConfig, residual: ResidualStrategy, path: str |
     model = _meta_model(cfg, residual).to_empty(device=device).to(dtype=dtype)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    # Built on meta, the RoPE table must be recomputed (it is computed, not stored, and kept fp32).
-    model.rotary = RotaryEmbedding(cfg)
     model.residual.reset_parameters()
     load_weights_into(model, path, check_config=check_config)
     return model

@@ -19,6 +19,7 @@ and writes its own. Without a cache the forward is the training path, unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Optional
 
@@ -211,21 +212,35 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """Decoder LM; `residual` decides how sublayers are wired across depth (StandardResidual by default)."""
+    """Decoder LM; `residual` decides how sublayers are wired across depth (StandardResidual by default).
 
-    def __init__(self, config: ModelConfig, residual: Optional[ResidualStrategy] = None) -> None:
+    init_weights=False leaves the embedding, the linear layers and the strategy's parameters uninitialised, for
+    a model built on the meta device whose every tensor is then loaded (mhar_lit.convert): random draws there
+    compute nothing, and a normal draw or a division on meta runs torch's Python reference ops, whose first call
+    imports torch._dynamo (2.3 s on 2 busy cores)."""
+
+    def __init__(self, config: ModelConfig, residual: Optional[ResidualStrategy] = None,
+                 init_weights: bool = True) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if init_weights:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:  # without nn.Embedding's own N(0, 1) draw
+            self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(config.vocab_size, config.hidden_size),
+                                                             freeze=False)
         self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config)
-        self.reset_parameters()
+        # RoPE frequencies are computed, never loaded: on the CPU where the model is built to be loaded (on meta
+        # they would be empty), as they are anyway until the first forward moves them to the input's device
+        with contextlib.nullcontext() if init_weights else torch.device("cpu"):
+            self.rotary = RotaryEmbedding(config)
+        if init_weights:
+            self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.residual = residual if residual is not None else StandardResidual()
-        self.residual.bind(config)
+        self.residual.bind(config, init_weights=init_weights)
 
     def reset_parameters(self) -> None:
         """N(0, init_std) for every Linear and the embedding (no depth scaling), ones for every RMSNorm."""

@@ -65,13 +65,15 @@ class ResidualStrategy(nn.Module, ABC):
         super().__init__()
         self.model_config: Optional[ModelConfig] = None
 
-    def bind(self, config: ModelConfig) -> None:
-        """Called once by the model: create parameters for this width and depth."""
+    def bind(self, config: ModelConfig, init_weights: bool = True) -> None:
+        """Called once by the model: create parameters for this width and depth (initialised unless the model
+        is built to be loaded: DecoderLM's init_weights)."""
         if self.model_config is not None:
             raise RuntimeError(f"{type(self).__name__} is already bound to a model; create one strategy per model")
         self.model_config = config
         self.build(config)
-        self.reset_parameters()
+        if init_weights:
+            self.reset_parameters()
 
     def build(self, config: ModelConfig) -> None:
         """Create the strategy's parameters (none by default)."""
