@@ -17,6 +17,7 @@ if _XDIST_WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
 import sqlite3  # noqa: E402
@@ -62,6 +63,13 @@ def _built_once(tmp_path_factory, name: str):
         folder.mkdir(exist_ok=True)
         yield folder, done
         marker.touch()
+
+
+@pytest.fixture(scope="session")
+def built_once(tmp_path_factory):
+    """built_once(name): _built_once for a test module's own shared artefact (a context manager giving (folder,
+    done); build into folder when not done)."""
+    return functools.partial(_built_once, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -35,13 +35,24 @@ def test_ddp_two_processes_reproduce_single_process_losses(tmp_path, residual):
     assert single[-1]["loss"] != single[0]["loss"]  # the steps really trained
 
 
+FSDP_STRATEGIES = ["standard", "hc", "mhar", "block", "delta", "mhar-triton", "delta-triton"]
+
+
+@pytest.fixture(scope="session")
+def fsdp_reports(built_once) -> dict:
+    """tests/fsdp_cpu_run.py over every strategy in one pair of processes, once per test run."""
+    with built_once("fsdp_reports") as (folder, done):
+        out = folder / "reports.json"
+        if not done:
+            _run([str(TESTS / "fsdp_cpu_run.py"), str(out), *FSDP_STRATEGIES], folder)
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["standard", "hc", "mhar", "block", "delta", "mhar-triton", "delta-triton"])
-def test_fsdp_sharding_gives_unsharded_gradients(tmp_path, strategy):
+@pytest.mark.parametrize("strategy", FSDP_STRATEGIES)
+def test_fsdp_sharding_gives_unsharded_gradients(fsdp_reports, strategy):
     """FSDP2 full sharding (every layer and the root, parameters resharded after forward) over 2 CPU ranks:
     gathered gradients equal a single-process backward over the whole batch to fp32 rounding."""
-    out = tmp_path / f"{strategy}.json"
-    _run([str(TESTS / "fsdp_cpu_run.py"), strategy, str(out)], tmp_path)
-    report = json.loads(out.read_text())
+    report = fsdp_reports[strategy]
     assert report["sharded"] is True
     assert report["max_rel_grad_err"] < 1e-5, report
