@@ -284,24 +284,23 @@ def test_missing_tokenizer_and_data_paths_are_named(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_sweep_and_compare(tmp_path):
-    """`sweep` runs the grid as separate MLflow runs with one sweep id; `compare` pairs them by seed."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def test_sweep_and_compare(tmp_path, capfd, monkeypatch):
+    """`sweep` runs the grid as separate MLflow runs with one sweep id; `compare` pairs them by seed. Both tools run
+    in this process (as `python -m mhar_lit sweep|compare` calls them); the sweep's fits are its own processes."""
+    from mhar_lit.sweep import compare_main, sweep_main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # for the fits the sweep starts
     base = _tiny_args(tmp_path, "--trainer.max_steps", "4", residual=False)
     extra = [a for a in base if a not in ("--config", str(REPO / "configs/demo.yaml"))]
-    sweep = subprocess.run(
-        [sys.executable, "-m", "mhar_lit", "sweep", "--config", str(REPO / "configs/demo.yaml"), "--sweep_id", "sw-test",
-         "--grid", f"config={REPO}/configs/methods/baseline.yaml,{REPO}/configs/methods/mhar.yaml", "--", *extra],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    code = sweep_main(["--config", str(REPO / "configs/demo.yaml"), "--sweep_id", "sw-test", "--grid",
+                       f"config={REPO}/configs/methods/baseline.yaml,{REPO}/configs/methods/mhar.yaml", "--", *extra])
+    assert code == 0, capfd.readouterr().err[-3000:]
     out = tmp_path / "cmp.json"
-    compare = subprocess.run(
-        [sys.executable, "-m", "mhar_lit", "compare", "--sweep", "sw-test", "--tracking_uri",
-         f"sqlite:///{tmp_path}/mlflow.db", "--json", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert compare.returncode == 0, compare.stderr[-3000:]
+    capfd.readouterr()
+    code = compare_main(["--sweep", "sw-test", "--tracking_uri", f"sqlite:///{tmp_path}/mlflow.db", "--json", str(out)])
+    printed = capfd.readouterr()
+    assert code == 0, printed.err[-3000:]
     report = json.loads(out.read_text())
     methods = sorted(r["method"] for r in report["rows"])
     assert methods == ["FullAttnRes(heads=8)", "StandardResidual"]
@@ -309,7 +308,7 @@ def test_sweep_and_compare(tmp_path):
     assert by_method["StandardResidual"]["delta"] == 0.0
     mhar = by_method["FullAttnRes(heads=8)"]
     assert mhar["delta"] == pytest.approx(mhar["tail_mean"] - by_method["StandardResidual"]["tail_mean"])
-    assert "paired delta" in compare.stdout
+    assert "paired delta" in printed.out
 
 
 USER_STRATEGY = '''
