@@ -2,7 +2,8 @@
 
 Triton kernels run on CPU tensors through Triton's interpreter in the tests. Triton reads
 TRITON_INTERPRET when @triton.jit decorates a function, so it must be set before any test module
-imports mhar_lit.kernels (pytest may collect top-level test files before tests/kernels/).
+imports mhar_lit.kernels (pytest may collect top-level test files before tests/kernels/). The interpreter runs
+without its repeated set-up inside a launch (tests/triton_interpreter.py).
 
 `make test` runs the suite on every core through pytest-xdist: each worker then gets its share of the cores
 for torch's threads (set before torch is imported, and inherited by the processes tests start), so that the
@@ -17,6 +18,7 @@ if _XDIST_WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
 import sqlite3  # noqa: E402
@@ -29,6 +31,10 @@ import torch  # noqa: E402
 # is the test's capsys stream, closed after it, and every later log line of the process fails to print
 import lightning  # noqa: E402,F401
 from seeds import draw_seed  # noqa: E402
+from triton_interpreter import patch_lang_once_per_launch  # noqa: E402
+
+if os.environ["TRITON_INTERPRET"] == "1":
+    patch_lang_once_per_launch()
 
 
 @pytest.fixture(autouse=True)
@@ -62,6 +68,13 @@ def _built_once(tmp_path_factory, name: str):
         folder.mkdir(exist_ok=True)
         yield folder, done
         marker.touch()
+
+
+@pytest.fixture(scope="session")
+def built_once(tmp_path_factory):
+    """built_once(name): _built_once for a test module's own shared artefact (a context manager giving (folder,
+    done); build into folder when not done)."""
+    return functools.partial(_built_once, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

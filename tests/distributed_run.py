@@ -1,11 +1,12 @@
 """Helper script for tests/test_distributed.py (run as a subprocess; Lightning's DDP launcher re-executes it).
 
-    python tests/distributed_run.py OUT_DIR STRATEGY DEVICES [RESIDUAL]
+    python tests/distributed_run.py OUT_DIR STRATEGY DEVICES RESIDUAL [RESIDUAL ...]
 
 Trains LanguageModel for a few steps on CPU with a deterministic batch schedule: the global batch of step
 k is the same 4 sequences whatever the number of processes (rank r of W takes rows r::W), so a W-process
-run must reproduce the single-process losses. Writes OUT_DIR/losses_rank{r}.json with each step's local
-loss and the number of sequences it covered.
+run must reproduce the single-process losses. One fit per residual, one after the other in the same
+processes (the later fits reuse the first one's process group: starting processes cost more than the fits).
+Writes OUT_DIR/RESIDUAL/losses_rank{r}.json with each step's local loss and the number of sequences it covered.
 """
 
 import json
@@ -56,18 +57,29 @@ class Record(L.Callback):
             json.dump(self.rows, fh)
 
 
-def main() -> None:
-    out, strategy, devices = sys.argv[1], sys.argv[2], int(sys.argv[3])
+RESIDUALS = {"mhar": lambda: FullAttnRes(heads=4, random_query_init=True), "standard": StandardResidual,
+             "delta": lambda: DeltaAttnRes(heads=4, layers_per_block=1)}
+
+
+def fit(out: str, strategy: str, devices: int, residual_name: str) -> None:
     os.makedirs(out, exist_ok=True)
-    residual_name = sys.argv[4] if len(sys.argv) > 4 else "mhar"
     L.seed_everything(7)
-    residual = {"mhar": lambda: FullAttnRes(heads=4, random_query_init=True), "standard": StandardResidual,
-                "delta": lambda: DeltaAttnRes(heads=4, layers_per_block=1)}[residual_name]()
+    residual = RESIDUALS[residual_name]()
     model = LanguageModel(size="tiny", residual=residual, lr=3e-3, warmup_steps=1, decay_steps=STEPS, z_loss=1e-4)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Record(out)], use_distributed_sampler=False)
     trainer.fit(model, Data())
+
+
+def main() -> None:
+    out, strategy, devices, residuals = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+    unknown = sorted(set(residuals) - set(RESIDUALS))
+    if not residuals or unknown:
+        raise SystemExit(f"usage: distributed_run.py OUT_DIR STRATEGY DEVICES RESIDUAL...; residuals: "
+                         f"{', '.join(RESIDUALS)}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    for residual_name in residuals:
+        fit(os.path.join(out, residual_name), strategy, devices, residual_name)
 
 
 if __name__ == "__main__":

@@ -284,24 +284,23 @@ def test_missing_tokenizer_and_data_paths_are_named(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_sweep_and_compare(tmp_path):
-    """`sweep` runs the grid as separate MLflow runs with one sweep id; `compare` pairs them by seed."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def test_sweep_and_compare(tmp_path, capfd, monkeypatch):
+    """`sweep` runs the grid as separate MLflow runs with one sweep id; `compare` pairs them by seed. Both tools run
+    in this process (as `python -m mhar_lit sweep|compare` calls them); the sweep's fits are its own processes."""
+    from mhar_lit.sweep import compare_main, sweep_main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # for the fits the sweep starts
     base = _tiny_args(tmp_path, "--trainer.max_steps", "4", residual=False)
     extra = [a for a in base if a not in ("--config", str(REPO / "configs/demo.yaml"))]
-    sweep = subprocess.run(
-        [sys.executable, "-m", "mhar_lit", "sweep", "--config", str(REPO / "configs/demo.yaml"), "--sweep_id", "sw-test",
-         "--grid", f"config={REPO}/configs/methods/baseline.yaml,{REPO}/configs/methods/mhar.yaml", "--", *extra],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    code = sweep_main(["--config", str(REPO / "configs/demo.yaml"), "--sweep_id", "sw-test", "--grid",
+                       f"config={REPO}/configs/methods/baseline.yaml,{REPO}/configs/methods/mhar.yaml", "--", *extra])
+    assert code == 0, capfd.readouterr().err[-3000:]
     out = tmp_path / "cmp.json"
-    compare = subprocess.run(
-        [sys.executable, "-m", "mhar_lit", "compare", "--sweep", "sw-test", "--tracking_uri",
-         f"sqlite:///{tmp_path}/mlflow.db", "--json", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert compare.returncode == 0, compare.stderr[-3000:]
+    capfd.readouterr()
+    code = compare_main(["--sweep", "sw-test", "--tracking_uri", f"sqlite:///{tmp_path}/mlflow.db", "--json", str(out)])
+    printed = capfd.readouterr()
+    assert code == 0, printed.err[-3000:]
     report = json.loads(out.read_text())
     methods = sorted(r["method"] for r in report["rows"])
     assert methods == ["FullAttnRes(heads=8)", "StandardResidual"]
@@ -309,7 +308,7 @@ def test_sweep_and_compare(tmp_path):
     assert by_method["StandardResidual"]["delta"] == 0.0
     mhar = by_method["FullAttnRes(heads=8)"]
     assert mhar["delta"] == pytest.approx(mhar["tail_mean"] - by_method["StandardResidual"]["tail_mean"])
-    assert "paired delta" in compare.stdout
+    assert "paired delta" in printed.out
 
 
 USER_STRATEGY = '''
@@ -393,23 +392,42 @@ def test_tool_flags_share_the_underscore_spelling_and_keep_the_hyphenated_one(ca
             assert re.search(rf"{flag}( {flag[2:].upper()})?, {alias}", out), (command, flag)
 
 
-@pytest.mark.slow
-def test_a_user_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
+def _main_exit(argv, capsys) -> tuple[int, str]:
+    """`python -m mhar_lit ARGV` in this process: (exit code, stderr)."""
+    from mhar_lit.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_a_user_error_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    """The whole process once (what the terminal shows at exit); the debug switches and other errors through the
+    same `main` in this process."""
+    from mhar_lit.cli import main
+    from mhar_lit.errors import UserError
+
     base = ["validate", "--config", str(REPO / "configs/demo.yaml"), "--trainer.logger", "false"]
     plain = _run_module(*base, cwd=tmp_path)
     expected = "error: `validate` without --ckpt_path (or model.init_from) would score a randomly initialised model"
     assert plain.returncode == 2 and plain.stderr.strip().splitlines()[-1].startswith(expected), plain.stderr[-2000:]
     assert "Traceback" not in plain.stderr
-    for debug in ({"args": ["--debug"]}, {"env": {"MHAR_DEBUG": "1"}}):
-        done = _run_module(*base, *debug.get("args", []), cwd=tmp_path, env_extra=debug.get("env"))
-        assert done.returncode != 0 and "Traceback" in done.stderr and "UserError: `validate` without" in done.stderr
-    missing = _run_module("fit", "--config", str(REPO / "configs/demo.yaml"), "--ckpt_path",
-                          str(tmp_path / "nope.ckpt"), "--trainer.logger", "false", cwd=tmp_path)
-    last = missing.stderr.strip().splitlines()[-1]
-    assert missing.returncode == 2 and last == f"error: checkpoint not found: {tmp_path / 'nope.ckpt'}", missing.stderr
-    bad_flag = _run_module("probe", "--ckpt", "x.ckpt", "--batch_size", "0", cwd=tmp_path)
-    assert bad_flag.returncode == 2 and bad_flag.stderr.strip().endswith(
-        "error: argument --batch_size/--batch-size: must be >= 1, got 0")
+    monkeypatch.chdir(tmp_path)
+    for name in ("MHAR_DEBUG", "JSONARGPARSE_DEBUG"):  # debugging sets both in this process: unset after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    for debug_flag, debug_env in ((["--debug"], "0"), ([], "1")):
+        monkeypatch.setenv("MHAR_DEBUG", debug_env)
+        with pytest.raises(UserError, match="`validate` without"):  # raised: Python prints its traceback
+            main([*base, *debug_flag])
+    monkeypatch.setenv("MHAR_DEBUG", "0")
+    code, err = _main_exit(["fit", "--config", str(REPO / "configs/demo.yaml"), "--ckpt_path",
+                            str(tmp_path / "nope.ckpt"), "--trainer.logger", "false"], capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last == f"error: checkpoint not found: {tmp_path / 'nope.ckpt'}", err
+    code, err = _main_exit(["probe", "--ckpt", "x.ckpt", "--batch_size", "0"], capsys)
+    assert code == 2 and err.strip().endswith("error: argument --batch_size/--batch-size: must be >= 1, got 0"), err
 
 
 def test_lightning_adverts_and_its_deprecations_are_silenced(monkeypatch):

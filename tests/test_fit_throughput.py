@@ -3,7 +3,6 @@ real `python -m mhar_lit fit` through the script on the CPU (demo config, tiny b
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -58,15 +57,20 @@ def test_bad_configs_argument_is_refused():
 
 
 @pytest.mark.slow
-def test_demo_fit_end_to_end(tmp_path):
+def test_demo_fit_end_to_end(tmp_path, capsys, monkeypatch):
+    """The script's main in this process (its fit, config print and environment probe are processes of their own,
+    as when it runs from the command line)."""
     out = tmp_path / "fit.json"
-    cmd = [sys.executable, str(SCRIPT), "--configs", "demo=configs/demo.yaml", "--max-steps", "6", "--repeats", "1",
-           "--warmup", "2", "--allow-dirty", "--out", str(out), "--workdir", str(tmp_path / "work"),
-           "--extra", "--data.batch_size 2 --data.seq_len 32 --data.max_corpus_bytes 200000 "
-           "--trainer.accumulate_grad_batches 2"]  # accumulation, as in the shipped recipes
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    args = ["--configs", "demo=configs/demo.yaml", "--max-steps", "6", "--repeats", "1",
+            "--warmup", "2", "--allow-dirty", "--out", str(out), "--workdir", str(tmp_path / "work"),
+            "--extra", "--data.batch_size 2 --data.seq_len 32 --data.max_corpus_bytes 200000 "
+            "--trainer.accumulate_grad_batches 2"]  # accumulation, as in the shipped recipes
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *args])  # the command line the report records
+    returned = load_script().main(args)
+    printed = capsys.readouterr().out
     report = json.loads(out.read_text())
+    assert report == json.loads(json.dumps(returned))
     fit = report["fits"][0]
     assert fit["rc"] == 0 and fit["status"] == "FINISHED", fit.get("error")
     assert "-m mhar_lit fit --config configs/demo.yaml" in fit["command"] and "--speed.every_n_steps 1" in fit["command"]
@@ -81,7 +85,7 @@ def test_demo_fit_end_to_end(tmp_path):
     assert report["summary"]["demo"]["demo"]["tokens_per_s"] == labels["tokens_per_s"]["median"]
     assert "fit_throughput.py" in report["command"] and "--configs" in report["command"]
     assert report["allow_dirty"] is True and report["commit"] and report["torch"] and report["device"]
-    assert "tokens/s median" in done.stdout.splitlines()[-2]
+    assert "tokens/s median" in printed.splitlines()[-2]
 
 
 def test_variants_multiply_the_matrix_and_are_interleaved(capsys):

@@ -15,30 +15,62 @@ from test_cli import REPO, _fit, _tiny_args
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
 
+# One process of the race: for each store URI, say "ready", wait for the test's "go" (so that both processes open
+# the fresh store at the same moment, after their imports), then open the store, log a metric and finish a run.
 OPEN_AND_LOG = """
 import sys
 from mhar_lit.lit.mlflow_logger import MLflowRunLogger
-logger = MLflowRunLogger(experiment_name="race", tracking_uri=sys.argv[1], run_name=sys.argv[2])
-logger.log_metrics({"x": 1.0}, step=0)
-logger.finalize("success")
+for uri in sys.argv[2:]:
+    print("ready", flush=True)
+    assert sys.stdin.readline() == "go\\n"
+    logger = MLflowRunLogger(experiment_name="race", tracking_uri=uri, run_name=sys.argv[1])
+    logger.log_metrics({"x": 1.0}, step=0)
+    logger.finalize("success")
 """
+RACE_ROUNDS = 3
+
+
+def _release_together(procs: list[subprocess.Popen], logs: list[Path]) -> None:
+    """Wait until every process said "ready" (other lines it prints are passed over), then tell them all "go"."""
+    for proc, log in zip(procs, logs):
+        line = None
+        while line not in ("ready\n", ""):
+            line = proc.stdout.readline()
+        assert line, f"exit {proc.wait()} before it was ready:\n{log.read_text()[-2000:]}"
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attempt", range(3))
-def test_two_processes_opening_a_fresh_sqlite_store_at_once_both_succeed(tmp_path, attempt):
+def test_two_processes_opening_a_fresh_sqlite_store_at_once_both_succeed(tmp_path):
     """Without the lock both ran MLflow's table creation and migrations on the empty file: `table already
-    exists`, and a store that could be left half-migrated."""
+    exists`, and a store that could be left half-migrated. Two processes open RACE_ROUNDS fresh stores, released
+    together on each one."""
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path}/x.db"
-    procs = [subprocess.Popen([sys.executable, "-c", OPEN_AND_LOG, uri, f"p{i}"], env=ENV, stderr=subprocess.PIPE,
-                              text=True) for i in range(2)]
-    errors = [p.communicate(timeout=300)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-2000:] for e in errors)
-    exp = MlflowClient(uri).get_experiment_by_name("race")
-    runs = MlflowClient(uri).search_runs([exp.experiment_id])
-    assert sorted(r.info.run_name for r in runs) == ["p0", "p1"] and {r.info.status for r in runs} == {"FINISHED"}
+    uris = [f"sqlite:///{tmp_path}/x{i}.db" for i in range(RACE_ROUNDS)]
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]
+    procs = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as err:
+            procs.append(subprocess.Popen([sys.executable, "-c", OPEN_AND_LOG, f"p{i}", *uris], env=ENV, text=True,
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err))
+    try:
+        for _ in uris:
+            _release_together(procs, logs)
+        for proc in procs:
+            proc.stdin.close()
+            proc.wait(timeout=300)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log.read_text()[-2000:] for log in logs)
+    for uri in uris:
+        exp = MlflowClient(uri).get_experiment_by_name("race")
+        runs = MlflowClient(uri).search_runs([exp.experiment_id])
+        assert sorted(r.info.run_name for r in runs) == ["p0", "p1"] and {r.info.status for r in runs} == {"FINISHED"}
 
 
 def test_a_half_migrated_store_is_named_with_its_repair(tmp_path):

@@ -1,7 +1,7 @@
 """MLflow's web UI on a run trained by the CLI, driven in headless chromium as a user would watch it.
 
-A 60-step demo fit (validation and the routing monitor every 30 steps) goes into a temporary sqlite store;
-`mlflow ui` from `.venv-ui` (the full mlflow 3.17.2 of `make ui`) serves it on a free local port, and
+A 6-step demo fit on small batches (validation and the routing monitor every 3 steps) goes into a temporary
+sqlite store; `mlflow ui` from `.venv-ui` (the full mlflow 3.17.2 of `make ui`) serves it on a free local port, and
 Selenium drives Debian's chromium through its chromedriver. Checked: the experiment opens on its runs list
 through the runs link and through the "Model training" switch that docs/training.md tells users to click
 (a first visit lands on the GenAI overview),
@@ -59,15 +59,19 @@ def browser_tools():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, browser_tools):
-    """The CLI's demo fit, 60 steps, into a temporary store; returns (folder, tracking uri, experiment id, run id)."""
+    """The CLI's demo fit, 6 steps of small batches, into a temporary store; returns (folder, tracking uri,
+    experiment id, run id)."""
     root = tmp_path_factory.mktemp("mlflow_ui")
     uri = f"sqlite:///{root}/mlflow.db"
     args = [
         sys.executable, "-m", "mhar_lit", "fit", "--config", str(REPO / "configs/demo.yaml"),
-        "--trainer.max_steps", "60",
-        "--trainer.val_check_interval", "30",  # val/loss at steps 30 and 60 (demo: 50)
+        "--trainer.max_steps", "6",
+        "--trainer.val_check_interval", "3",  # val/loss at steps 3 and 6 (demo: 50)
         "--trainer.limit_val_batches", "2",
-        "--routing_monitor.every_n_steps", "30",  # heatmaps after 30 and 60 optimizer steps (named 29, 59), plus the final one
+        "--trainer.log_every_n_steps", "2",  # train/loss at steps 2, 4, 6 (demo: every 10)
+        "--routing_monitor.every_n_steps", "3",  # heatmaps after 3 and 6 optimizer steps (named 2, 5), plus the final one
+        # what the pages show does not depend on the batch size (demo: 16 x 256 tokens)
+        "--data.batch_size", "4", "--data.val_batch_size", "4", "--data.seq_len", "64",
         "--trainer.enable_progress_bar", "false",
         "--trainer.default_root_dir", str(root / "runs"),
         "--trainer.logger.init_args.tracking_uri", uri,
@@ -224,7 +228,7 @@ def test_run_page_shows_losses(trained, ui, browser, tmp_path):
 def test_heatmap_artifact_opens(trained, ui, browser):
     root, _, experiment_id, run_id = trained
     heatmaps = sorted(p.name for p in root.glob(f"mlruns/{experiment_id}/{run_id}/artifacts/routing/heatmap_*.png"))
-    assert "heatmap_final.png" in heatmaps and "heatmap_step0000029.png" in heatmaps, heatmaps  # named by the step its metrics sit at
+    assert "heatmap_final.png" in heatmaps and "heatmap_step0000002.png" in heatmaps, heatmaps  # named by the step its metrics sit at
     url = f"{ui}/get-artifact?path=routing/heatmap_final.png&run_uuid={run_id}"
     with urllib.request.urlopen(url) as response:
         assert response.read(8) == b"\x89PNG\r\n\x1a\n"
