@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,15 +30,32 @@ DATA = ["--data.data", "null", "--data.tokenizer", "bytes", "--data.max_corpus_b
 
 
 class Acceptance:
-    def __init__(self, work: str, budget_s: float) -> None:
+    """The cases so far. The report is rewritten after every case, to --out and (when the device call sets it)
+    to $OUT: a run killed at the call's limit still returns what it answered, marked incomplete."""
+
+    def __init__(self, work: str, budget_s: float, header: dict, paths: list[str]) -> None:
         self.work, self.t0, self.budget_s, self.cases = work, time.time(), budget_s, []
+        self.header, self.paths, self.lock = header, paths, threading.Lock()
 
     def left(self) -> float:
         return self.budget_s - (time.time() - self.t0)
 
     def add(self, name: str, passed: bool, detail: str, seconds: float) -> None:
-        self.cases.append({"name": name, "passed": bool(passed), "detail": detail[-1500:], "seconds": round(seconds, 1)})
+        with self.lock:
+            self.cases.append({"name": name, "passed": bool(passed), "detail": detail[-1500:],
+                               "seconds": round(seconds, 1)})
+            self.write(complete=False)
         print(f"[{time.time() - self.t0:5.0f}s] {'PASS' if passed else 'FAIL'} {name} ({seconds:.0f}s)", flush=True)
+
+    def write(self, complete: bool) -> dict:
+        report = {**self.header, "seconds": round(time.time() - self.t0), "complete": complete, "cases": self.cases,
+                  "passed": complete and bool(self.cases) and all(c["passed"] for c in self.cases)}
+        for path in self.paths:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path + ".tmp", "w") as fh:
+                json.dump(report, fh, indent=1)
+            os.replace(path + ".tmp", path)
+        return report
 
     def run(self, cmd: list[str], timeout: float, log: str, env: dict | None = None) -> tuple[int, str, float]:
         start = time.time()
@@ -157,7 +175,10 @@ def main() -> None:
     if args.parallel is None:  # a 100M fit at the paper's microbatch held up to 46 GiB (H200, 2026-12-06), beside
         # the routing matrix's float64 references (~25 GiB at the 8B shape)
         args.parallel = 2 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 1
-    acc = Acceptance(args.work, args.budget_s)
+    header = {"commit": args.commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": dt.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
+    paths = [args.out] + ([os.path.join(os.environ["OUT"], "gpu_acceptance.json")] if os.environ.get("OUT") else [])
+    acc = Acceptance(args.work, args.budget_s, header, paths)
     tests = ThreadPoolExecutor(1).submit(gpu_tests, acc)  # compile-bound (CPU): beside the fits
     # The cases that failed before come first (so that a short budget still answers them): the corpus cache
     # the other fits share, MHAR's first-batch check, generate and export on its checkpoint, capture under
@@ -173,13 +194,7 @@ def main() -> None:
         list(pool.map(lambda sm: fit_case(acc, *sm), plan))
     tests.result()
 
-    report = {"commit": args.commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "date": dt.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-              "seconds": round(time.time() - acc.t0), "cases": acc.cases,
-              "passed": bool(acc.cases) and all(c["passed"] for c in acc.cases)}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(report, fh, indent=1)
+    report = acc.write(complete=True)
     print(f"\n{'case':<48} {'passed':<7} seconds")
     for c in acc.cases:
         print(f"{c['name']:<48} {str(c['passed']):<7} {c['seconds']}")

@@ -4,6 +4,9 @@
 # wheels in .whl first (../shared/tools/gpu-wheels.sh .whl) and carry .whl. COMMIT is recorded in the JSON (the
 # device's copy of the tree has no git history); with $OUT set, the JSON and the logs are copied there too.
 #     bash benchmarks/gpu_acceptance.sh [COMMIT]
+# The JSON is rewritten after every case (to $OUT too), so a call killed at its limit still returns what was
+# answered; the device call's limit is the device time left, which can be under timeout_s: keep BUDGET_S
+# (default 540) at least 40 s under it, and do not pipe the output through `tail` (a killed pipe prints nothing).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl > /dev/null 2>&1; then
