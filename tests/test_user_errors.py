@@ -4,32 +4,13 @@ and a URI's password never reaches the terminal."""
 
 import json
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from tiny_run import REPO, tiny_corpus, tiny_fit_args
 
 from mhar_lit.checkpoint import record_checksum
 from mhar_lit.cli import main
-from tiny_run import REPO, tiny_corpus, tiny_fit_args
-
-
-def _run_module(*args, cwd, timeout=300):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("MHAR_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "mhar_lit", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def _one_line_error(done) -> str:
-    """The process exited 2 and its stderr ends with one `error: ` line and holds no traceback or usage."""
-    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
-    assert "Traceback" not in done.stderr and "usage:" not in done.stderr, done.stderr[-3000:]
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: "), done.stderr[-3000:]
-    return last
 
 
 def _main_error(argv, capsys) -> str:
@@ -61,15 +42,15 @@ def test_a_value_a_constructor_refuses_names_its_setting(tmp_path, capsys, monke
     assert err.startswith("error: model.residual: hidden size 128 is not divisible")
 
 
-def test_an_empty_corpus_and_a_bad_val_fraction_are_one_line(tmp_path):
+def test_an_empty_corpus_and_a_bad_val_fraction_are_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MHAR_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "empty.txt").write_text("")
-    base = ["--config", str(REPO / "configs/demo.yaml"), "--trainer.logger", "false", "--trainer.max_steps", "2"]
-    empty = _one_line_error(_run_module("fit", *base, "--data.data", "empty.txt", cwd=tmp_path))
+    base = ["fit", "--config", str(REPO / "configs/demo.yaml"), "--trainer.logger", "false", "--trainer.max_steps", "2"]
+    empty = _main_error([*base, "--data.data", "empty.txt"], capsys)
     assert "the inputs contain no documents" in empty
-    whole = _one_line_error(_run_module("fit", *base, "--data.data", str(tiny_corpus(tmp_path)),
-                                        "--data.val_fraction", "1.0", cwd=tmp_path))
+    whole = _main_error([*base, "--data.data", str(tiny_corpus(tmp_path)), "--data.val_fraction", "1.0"], capsys)
     assert "data.val_fraction must be in [0, 1), got 1.0" in whole and "perplexity" in whole
-
 
 
 def test_what_the_data_preparation_found_is_warned_once_per_fit(tmp_path, caplog):
@@ -280,24 +261,28 @@ def test_a_truncated_mlflow_store_is_one_line_with_a_repair_hint(tmp_path, capsy
     assert err.count("\n") == 1 and f"the MLflow store {store} cannot be read" in err and ".recover" in err
 
 
-def test_a_sweep_checks_every_grid_point_before_its_first_fit(tmp_path):
+def test_a_sweep_checks_every_grid_point_before_its_first_fit(tmp_path, capsys, monkeypatch):
     """A grid naming a missing config trained the earlier points, then failed; --dry_run passed it."""
+    monkeypatch.delenv("MHAR_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
     methods = f"config={REPO}/configs/methods/baseline.yaml,{tmp_path}/missing.yaml"
     for dry in ([], ["--dry_run"]):
-        done = _run_module("sweep", "--config", str(REPO / "configs/demo.yaml"), "--grid", methods, *dry, "--",
-                           *tiny_fit_args(tmp_path)[2:], cwd=tmp_path)
-        err = _one_line_error(done)
+        err = _main_error(["sweep", "--config", str(REPO / "configs/demo.yaml"), "--grid", methods, *dry, "--",
+                           *tiny_fit_args(tmp_path)[2:]], capsys)
         assert "grid point missing" in err and "missing.yaml" in err
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "runs").exists()
 
 
-def test_a_sweep_that_cannot_validate_is_warned_and_its_uri_password_never_printed(tmp_path):
+def test_a_sweep_that_cannot_validate_is_warned_and_its_uri_password_never_printed(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     uri = "http://alice:S3cretPw@127.0.0.1:9"
-    done = _run_module("sweep", "--config", str(REPO / "configs/demo.yaml"), "--dry_run", "--tracking_uri", uri,
-                       "--", "--trainer.max_steps", "30", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "S3cretPw" not in done.stdout + done.stderr and "alice:***@127.0.0.1" in done.stdout
-    assert "will never validate (trainer.val_check_interval 50 > trainer.max_steps 30)" in done.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sweep", "--config", str(REPO / "configs/demo.yaml"), "--dry_run", "--tracking_uri", uri,
+              "--", "--trainer.max_steps", "30"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 0, err
+    assert "S3cretPw" not in out + err and "alice:***@127.0.0.1" in out
+    assert "will never validate (trainer.val_check_interval 50 > trainer.max_steps 30)" in err
 
 
 def test_a_traceback_never_shows_a_uri_password(capsys):
