@@ -42,3 +42,19 @@ def static_buffer_graphs(loss_module, sample_args, allow_unused_input=False):
             return (None, None, *(b.detach() for b in static_grads))
 
     return lambda inputs, targets: Replay.apply(inputs, targets, *params)
+
+
+def captured_and_eager_models(monkeypatch):
+    """Two identical tiny MHAR models (z-loss on), one on the captured path through this stand-in, one eager."""
+    from mhar_lit.lit import cuda_graph
+    from mhar_lit.lit.module import LanguageModel
+    from mhar_lit.residual import FullAttnRes
+
+    monkeypatch.setattr(cuda_graph, "capture_problems", lambda module: [])
+    monkeypatch.setattr(cuda_graph, "check_supported", lambda module: None)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", static_buffer_graphs)
+    torch.manual_seed(0)
+    captured = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, warmup_steps=1)
+    eager = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, warmup_steps=1, cuda_graph=False)
+    eager.load_state_dict(captured.state_dict())
+    return captured, eager

@@ -6,11 +6,11 @@ records its inputs. The capture itself needs a GPU: benchmarks/graph_fit_check.p
 import lightning as L
 import pytest
 import torch
+from graph_stand_in import captured_and_eager_models
 
 from mhar_lit.lit import cuda_graph
 from mhar_lit.lit.module import LanguageModel
 from mhar_lit.residual import FullAttnRes
-from graph_stand_in import static_buffer_graphs
 
 
 def _fit(module, batches, **trainer_kwargs):
@@ -106,13 +106,7 @@ def test_cuda_graph_false_and_compile_train_eagerly():
 
 
 def _captured_and_eager_after_accumulation(monkeypatch, accumulate: int):
-    monkeypatch.setattr(cuda_graph, "capture_problems", lambda module: [])
-    monkeypatch.setattr(cuda_graph, "check_supported", lambda module: None)
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", static_buffer_graphs)
-    torch.manual_seed(0)
-    captured = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, warmup_steps=1)
-    eager = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, warmup_steps=1, cuda_graph=False)
-    eager.load_state_dict(captured.state_dict())
+    captured, eager = captured_and_eager_models(monkeypatch)
     batches = [torch.randint(0, 256, (2, 9)) for _ in range(3 * accumulate)]
     for module in (captured, eager):
         trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,

@@ -8,11 +8,11 @@ exactly as the eager bf16-mixed fit (Lightning's autocast, cache on: same casts,
 import lightning as L
 import pytest
 import torch
+from graph_stand_in import captured_and_eager_models
 
 from mhar_lit.lit import cuda_graph
 from mhar_lit.lit.module import LanguageModel
 from mhar_lit.residual import FullAttnRes
-from graph_stand_in import static_buffer_graphs
 
 
 def _fit(module, batches, precision):
@@ -24,13 +24,7 @@ def _fit(module, batches, precision):
 
 @pytest.fixture
 def captured_and_eager(monkeypatch):
-    monkeypatch.setattr(cuda_graph, "capture_problems", lambda module: [])
-    monkeypatch.setattr(cuda_graph, "check_supported", lambda module: None)
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", static_buffer_graphs)
-    torch.manual_seed(0)
-    captured = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, warmup_steps=1)
-    eager = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), z_loss=1e-4, warmup_steps=1, cuda_graph=False)
-    eager.load_state_dict(captured.state_dict())
+    captured, eager = captured_and_eager_models(monkeypatch)
     return captured, eager, [torch.randint(0, 256, (2, 9)) for _ in range(4)]
 
 
