@@ -40,7 +40,6 @@ import json
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +52,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.provenance import git_state  # noqa: E402
 from mhar_lit.config import ModelConfig  # noqa: E402
 from mhar_lit.generation import generate  # noqa: E402
 from mhar_lit.models.decoder import DecoderLM  # noqa: E402
@@ -248,16 +248,7 @@ def environment(device: torch.device, commit: Optional[str]) -> dict[str, Any]:
             "python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "command": shlex.join([sys.executable] + sys.argv)}
-    if commit:
-        info["commit"] = commit
-        return info
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                        check=True).stdout.strip()
-        info["clean"] = not subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                           capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        info["commit"] = None
+    info.update(git_state(commit))
     return info
 
 

@@ -59,6 +59,9 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's mhar_lit, for the FLOP count
+
+from benchmarks.provenance import git_state  # noqa: E402
+
 METHOD_FILES = {"baseline": "baseline.yaml", "mhar": "mhar.yaml", "block": "block-mhar.yaml"}  # configs/methods/
 SIZES = ("100M", "350M", "1B")
 # capture/compilation (SpeedMonitor's 2 skipped steps) + 3 warm-up steps + the timed steps (10, and 7 at 1B, whose
@@ -288,21 +291,6 @@ def probe_environment() -> dict:
     if line is None:
         raise SystemExit(f"environment probe failed:\n{done.stderr[-2000:]}")
     return json.loads(line[4:])
-
-
-def git_state(stated_commit: Optional[str]) -> dict:
-    """HEAD and whether the tracked files match it. A tree copied without its history (a device machine's
-    copy) can state its commit with --commit; the clean check is then the caller's."""
-    if stated_commit:
-        return {"commit": stated_commit, "commit_source": "stated (--commit)", "clean": None}
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "commit_source": "no git repository", "clean": None}
-    return {"commit": head.stdout.strip(), "commit_source": "git rev-parse HEAD", "clean": not status.stdout.strip(),
-            "dirty_files": status.stdout.split("\n")[:20] if status.stdout.strip() else []}
 
 
 def source_digest() -> str:

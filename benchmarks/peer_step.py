@@ -34,7 +34,6 @@ import json
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,6 +45,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.provenance import git_state  # noqa: E402
 from mhar_lit import DecoderLM, ModelConfig  # noqa: E402
 from mhar_lit.residual import StandardResidual  # noqa: E402
 
@@ -320,17 +320,7 @@ def environment(device: torch.device, stated_commit: Optional[str]) -> dict[str,
             info[name] = version(name)
         except PackageNotFoundError:
             info[name] = None
-    if stated_commit:  # a tree copied without its history states its commit
-        info["commit"], info["commit_source"] = stated_commit, "stated (--commit)"
-        return info
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                        check=True).stdout.strip()
-        info["clean"] = not subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                           capture_output=True, text=True, check=True).stdout.strip()
-        info["commit_source"] = "git rev-parse HEAD"
-    except (OSError, subprocess.CalledProcessError):
-        info["commit"], info["commit_source"] = None, "no git repository"
+    info.update(git_state(stated_commit))
     return info
 
 
