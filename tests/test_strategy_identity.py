@@ -248,3 +248,34 @@ def test_a_strategy_must_store_its_init_args():
 
     with pytest.raises(TypeError, match="Unserialisable.where = .* is not JSON-serialisable"):
         Unserialisable(where=object()).to_config()
+
+
+@pytest.mark.parametrize("cls,kwargs,label", CASES, ids=lambda v: getattr(v, "__name__", None) or str(v))
+def test_a_checkpoint_loads_without_a_random_init_and_computes_what_was_saved(cls, kwargs, label, tmp_path,
+                                                                              monkeypatch):
+    """model_from_checkpoint builds every strategy's model without drawing an init (the file holds every tensor),
+    in fp32 with the head still tied to the embedding, and gives the saved model's logits bitwise; a bf16 file
+    loads as the same values in fp32."""
+    torch.manual_seed(0)
+    module = LanguageModel(size="tiny", residual=cls(**kwargs))
+    with torch.no_grad():  # off the identity-like init, so a strategy tensor left unloaded would show
+        for p in module.model.residual.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    _save(module, tmp_path / "m.ckpt")
+    _save(LanguageModel(size="tiny", residual=cls(**kwargs)).to(torch.bfloat16), tmp_path / "bf16.ckpt")
+
+    def no_draw(*args, **kwargs):
+        raise AssertionError("a random init was drawn for a model whose weights are all loaded")
+
+    monkeypatch.setattr(torch.nn.init, "normal_", no_draw)
+    monkeypatch.setattr(torch.Tensor, "normal_", no_draw)
+    model = model_from_checkpoint(str(tmp_path / "m.ckpt"))
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
+    assert model.lm_head.weight is model.embed_tokens.weight
+    x = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(x), module.model.eval()(x))
+    bf16 = model_from_checkpoint(str(tmp_path / "bf16.ckpt"))
+    saved = torch.load(tmp_path / "bf16.ckpt", weights_only=True)["state_dict"]
+    for name, tensor in bf16.state_dict().items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, saved[f"model.{name}"].float()), name
