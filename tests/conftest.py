@@ -3,7 +3,7 @@
 Triton kernels run on CPU tensors through Triton's interpreter in the tests. Triton reads
 TRITON_INTERPRET when @triton.jit decorates a function, so it must be set before any test module
 imports mhar_lit.kernels (pytest may collect top-level test files before tests/kernels/). The interpreter runs
-without its repeated set-up inside a launch (tests/triton_interpreter.py).
+without its repeated set-up inside a launch and with two of its look-ups done once (tests/triton_interpreter.py).
 
 `make test` runs the suite on every core through pytest-xdist: each worker then gets its share of the cores
 for torch's threads (set before torch is imported, and inherited by the processes tests start), so that the
@@ -31,10 +31,13 @@ import torch  # noqa: E402
 # is the test's capsys stream, closed after it, and every later log line of the process fails to print
 import lightning  # noqa: E402,F401
 from seeds import draw_seed  # noqa: E402
-from triton_interpreter import patch_lang_once_per_launch  # noqa: E402
+from triton_interpreter import (builtin_lists_found_once, numpy_dtypes_from_one_table,  # noqa: E402
+                                patch_lang_once_per_launch)
 
 if os.environ["TRITON_INTERPRET"] == "1":
     patch_lang_once_per_launch()
+    numpy_dtypes_from_one_table()
+    builtin_lists_found_once()
 
 
 @pytest.fixture(autouse=True)

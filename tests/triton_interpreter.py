@@ -1,4 +1,5 @@
-"""Triton's interpreter without its repeated set-up inside a launch (tests only; the kernels' code paths unchanged).
+"""Triton's interpreter without its repeated set-up inside a launch, and with two look-ups it repeats done once
+(tests only; the kernels' code paths unchanged).
 
 A kernel launch in the interpreter (TRITON_INTERPRET=1) first replaces triton.language's builtins with
 interpreted ones (`_patch_lang`), runs every program of the grid, then restores them. Each call of a @triton.jit
@@ -53,4 +54,70 @@ def patch_lang_once_per_launch() -> bool:
 
     patch_lang.once_per_launch = True
     interpreter._patch_lang = patch_lang
+    return True
+
+
+def numpy_dtypes_from_one_table() -> bool:
+    """The interpreter maps a Triton dtype to the numpy dtype that holds it (`_get_np_dtype`) several times per
+    operation, rebuilding its 19-entry table on every call (~9% of a kernel test's time); here the same mapping
+    reads one table built once. False (nothing changed) where this Triton's interpreter lacks the function."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None or getattr(original, "one_table", False):
+        return original is not None
+    pointer = original(tl.pointer_type(tl.int8))
+    table = {}  # every scalar dtype triton.language names that the interpreter maps
+    for dtype in vars(tl.core).values():
+        if isinstance(dtype, tl.dtype) and not isinstance(dtype, (tl.pointer_type, tl.block_type)):
+            try:
+                table[dtype] = original(dtype)
+            except KeyError:  # not mapped by the interpreter (e.g. void): a KeyError from either version
+                pass
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.pointer_type):
+            return pointer
+        if isinstance(tt_dtype, tl.block_type):
+            element = tt_dtype.element_ty
+            return pointer if isinstance(element, tl.pointer_type) else table[element]
+        return table[tt_dtype]
+
+    get_np_dtype.one_table = True
+    interpreter._get_np_dtype = get_np_dtype
+    return True
+
+
+def builtin_lists_found_once() -> bool:
+    """Each launch's `_patch_lang` replaces the builtins of triton.language, its tensor class, math and
+    tensor_descriptor_base, finding them by walking every member of each (`inspect.getmembers`, ~5% of a kernel
+    test's time). Here each one's list of builtins is found once, while none is replaced (before any launch), and
+    each launch replaces the same members with the same wrappers as before. False (nothing changed) where this
+    Triton's interpreter lacks the function."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    original = getattr(interpreter, "_patch_builtin", None)
+    if original is None or getattr(original, "found_once", False):
+        return original is not None
+    builtins = {}  # id(pkg) -> (pkg, [(name, member)]): the originals, listed before any launch replaced them
+    for pkg in (tl, tl.core, tl.tensor, tl.core.tensor, tl.math, tl.core.tensor_descriptor_base):
+        builtins[id(pkg)] = (pkg, [(name, member) for name, member in inspect.getmembers(pkg)
+                                   if tl.core.is_builtin(member)])
+
+    def patch_builtin(pkg, builder, scope) -> None:
+        listed = builtins.get(id(pkg))
+        if listed is None or listed[0] is not pkg:
+            original(pkg, builder, scope)
+            return
+        for name, member in listed[1]:
+            interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    patch_builtin.found_once = True
+    interpreter._patch_builtin = patch_builtin
     return True
