@@ -3,8 +3,13 @@
 - gradients: the backward writes the parameters' gradients into static buffers that every call reuses and returns
   `buffer.detach()`, as the real one does (what GraphGradients guards against under accumulation);
 - autocast: the autocast state at capture is the one every replay runs, forward and backward, whatever autocast
-  surrounds the replay; autocast's weight cache is refused at capture, as the real one refuses it.
+  surrounds the replay; autocast's weight cache is refused at capture, as the real one refuses it;
+- the capture's graph: the real one keeps its captured forward's outputs with their autograd graph, so the
+  parameters' AccumulateGrad nodes of capture time (made on its side stream) outlive it; so does this one, and
+  it tags those nodes (CAPTURE_NODE_TAG in their metadata) so that a test can see whether backward reuses them.
 Outputs that carry no gradient (the fused loss's z, for logging) are left out of the backward."""
+
+CAPTURE_NODE_TAG = "stand_in_capture"
 
 import torch
 
@@ -20,6 +25,11 @@ def static_buffer_graphs(loss_module, sample_args, allow_unused_input=False):
         if captured is None:
             return torch.autocast("cpu", enabled=False)
         return torch.autocast("cpu", dtype=captured, cache_enabled=False)
+
+    with torch.enable_grad(), as_captured():
+        capture_outputs = loss_module(*sample_args)  # kept, graph and all, for as long as the callable lives
+    for p in params:
+        p.expand_as(p).grad_fn.next_functions[0][0].metadata[CAPTURE_NODE_TAG] = True
 
     class Replay(torch.autograd.Function):
         @staticmethod
@@ -41,7 +51,11 @@ def static_buffer_graphs(loss_module, sample_args, allow_unused_input=False):
                 buffer.copy_(grad) if grad is not None else buffer.zero_()
             return (None, None, *(b.detach() for b in static_grads))
 
-    return lambda inputs, targets: Replay.apply(inputs, targets, *params)
+    def graphed(inputs, targets):
+        return Replay.apply(inputs, targets, *params)
+
+    graphed.capture_outputs = capture_outputs
+    return graphed
 
 
 def captured_and_eager_models(monkeypatch):

@@ -133,3 +133,53 @@ def test_the_stand_in_reproduces_the_aliasing_defect_without_the_guard(monkeypat
     differs = [name for (name, p), (_, q) in zip(captured.named_parameters(), eager.named_parameters())
                if not torch.equal(p, q)]
     assert len(differs) > len(list(captured.parameters())) // 2, differs
+
+
+def _holds_a_capture_node(module) -> list[str]:
+    from graph_stand_in import CAPTURE_NODE_TAG
+
+    return [name for name, p in module.named_parameters()
+            if CAPTURE_NODE_TAG in cuda_graph._accumulator(p).metadata]
+
+
+def test_backward_makes_its_own_gradient_accumulators_after_capture(monkeypatch):
+    """make_graphed_callables keeps its captured forward's graph, whose AccumulateGrad nodes belong to the capture
+    stream (on a GPU, gradient adds ran there, racing the training stream: NaN under accumulation). After capture
+    that graph is released, so no parameter's accumulator is still the capture's; the check fails if it is not."""
+    captured, _ = _captured_and_eager_after_accumulation(monkeypatch, 4)
+    assert _holds_a_capture_node(captured) == []
+    monkeypatch.setattr(cuda_graph, "release_capture_graph", lambda outputs, parameters: True)
+    kept, _ = _captured_and_eager_after_accumulation(monkeypatch, 1)
+    assert len(_holds_a_capture_node(kept)) == len(list(kept.parameters()))
+
+
+def _graphs_whose_capture_graph_is_held_elsewhere(monkeypatch):
+    from graph_stand_in import static_buffer_graphs
+
+    held = []
+
+    def graphs(loss_module, sample_args, allow_unused_input=False):
+        graphed = static_buffer_graphs(loss_module, sample_args, allow_unused_input)
+        outputs = graphed.capture_outputs
+        held.append((outputs[0] if isinstance(outputs, tuple) else outputs).grad_fn)  # another owner of its graph
+        return graphed
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", graphs)
+
+
+def test_a_capture_graph_held_elsewhere_trains_eagerly_or_is_refused(monkeypatch, caplog):
+    """If the capture's graph outlives its release, gradients would be added on the capture stream: the default
+    trains eagerly (the same parameters as eager, and says why), `cuda_graph: true` refuses."""
+    captured, eager = captured_and_eager_models(monkeypatch)
+    _graphs_whose_capture_graph_is_held_elsewhere(monkeypatch)
+    batches = [torch.randint(0, 256, (2, 9)) for _ in range(8)]
+    with caplog.at_level("INFO"):
+        for module in (captured, eager):
+            _fit(module, batches, accumulate_grad_batches=4)
+    assert captured._graphed_loss.decision is False and captured._graphed_loss.graphed is None
+    assert "training steps: eager: the captured forward's autograd graph is still held" in caplog.text
+    for (name, p), (_, q) in zip(captured.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    required = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), cuda_graph=True)
+    with pytest.raises(RuntimeError, match="cuda_graph=True cannot capture this run: the captured forward's"):
+        _fit(required, batches[:1])

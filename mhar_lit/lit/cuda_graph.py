@@ -30,6 +30,15 @@ nobody else holds), so with several microbatches per step the next replay would 
 the add after it would double the last microbatch's gradient. `GraphGradients` gives such a .grad storage of
 its own right before the next captured backward (one copy per optimizer step, only when accumulating), so a
 captured step is the same function as an eager one for any accumulation.
+
+The stream of the gradient adds: make_graphed_callables warms up and captures on a side stream and keeps the
+captured forward's outputs, autograd graph included. That graph holds the parameters' AccumulateGrad nodes,
+made on the side stream, and every later backward reuses them: the adds into .grad then run on the side stream,
+unordered with the training stream's next replay and allocations (on an H100 with torch 2.11: NaN from the
+second optimizer step with 4 microbatches, exact with 1; torch warns that "The AccumulateGrad node's stream does
+not match"). `release_capture_graph` detaches those outputs right after capture, so the next forward makes the
+nodes on the training stream, and checks that none of the capture's nodes is still alive; if one is (something
+else holds the capture's graph), a run that may train eagerly does, and `cuda_graph: true` is an error.
 """
 
 from __future__ import annotations
@@ -51,9 +60,12 @@ class _LossModule(nn.Module):
     def __init__(self, model: nn.Module, z_loss: float, fused: bool = False) -> None:
         super().__init__()
         self.model, self.z_loss, self.fused = model, z_loss, fused
+        self.keep_outputs, self.kept = False, ()  # while capturing: the last call's outputs (the captured ones)
 
     def forward(self, inputs: Tensor, targets: Tensor):
         ce, z = next_token_loss(self.model, inputs, targets, self.z_loss, self.fused)
+        if self.keep_outputs:
+            self.kept = (ce, z)
         return (ce, z) if self.z_loss else ce
 
 
@@ -122,6 +134,27 @@ class GraphGradients:
         return grad
 
 
+_CAPTURE_TAG = "mhar_lit_capture"
+
+
+def _accumulator(parameter: Tensor):
+    """The parameter's AccumulateGrad node: the live one if a graph holds it, else a new one on this stream."""
+    with torch.enable_grad():
+        return parameter.expand_as(parameter).grad_fn.next_functions[0][0]
+
+
+def release_capture_graph(captured_outputs: tuple, parameters) -> bool:
+    """Free the autograd graph of the captured forward's outputs (see the module docstring); True when none of
+    the parameters' AccumulateGrad nodes of that time is still alive, so that backward makes them anew."""
+    parameters = [p for p in parameters if p.requires_grad]
+    for p in parameters:
+        _accumulator(p).metadata[_CAPTURE_TAG] = True  # the node is the capture's while that graph lives
+    for output in captured_outputs:
+        if output.grad_fn is not None:
+            output.detach_()
+    return not any(_CAPTURE_TAG in _accumulator(p).metadata for p in parameters)
+
+
 class GraphedLoss:
     """Training loss (ce, z) of a LanguageModel through captured graphs, captured at the first batch.
 
@@ -153,8 +186,14 @@ class GraphedLoss:
             loss_module = _LossModule(module.model, module.hparams.z_loss, module.hparams.get("fused_loss", False))
             with _capture_autocast(module):
                 # allow_unused_input: a parameter the loss does not reach gets no gradient, as in eager mode
+                loss_module.keep_outputs = True
                 self.graphed = torch.cuda.make_graphed_callables(loss_module, (inputs, targets),
                                                                  allow_unused_input=True)
+                loss_module.keep_outputs = False
+                released = release_capture_graph(loss_module.kept, module.model.parameters())
+                loss_module.kept = ()
+                if not released:
+                    return self._give_up(module, batch)
                 self.gradients = GraphGradients(self.graphed, (inputs, targets), module.model.parameters())
             self.shape = inputs.shape
         if inputs.shape != self.shape:
@@ -167,6 +206,18 @@ class GraphedLoss:
         ce, z = out if isinstance(out, tuple) else (out, None)
         ce.register_hook(self.gradients.before_backward)
         return ce, (z if z is not None else ce.new_zeros(()))
+
+
+    def _give_up(self, module, batch: Tensor) -> tuple[Tensor, Tensor]:
+        """The capture's graph outlived release_capture_graph: its gradient adds would run on the capture's
+        stream. Train eagerly (or refuse, under cuda_graph: true)."""
+        reason = ("the captured forward's autograd graph is still held after capture, so gradients would be "
+                  "added on the capture stream")
+        if self.required:
+            raise RuntimeError(f"cuda_graph=True cannot capture this run: {reason}")
+        self.graphed, self.decision = None, False
+        _announce(module, "eager: " + reason)
+        return module._loss(batch)[:2]
 
 
 def _announce(module, path: str) -> None:
