@@ -15,7 +15,9 @@ import argparse
 import datetime as dt
 import glob
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -42,7 +44,8 @@ class Acceptance:
 
     def add(self, name: str, passed: bool, detail: str, seconds: float) -> None:
         with self.lock:
-            self.cases.append({"name": name, "passed": bool(passed), "detail": detail[-1500:],
+            short = detail if len(detail) <= 1500 else detail[:400] + "\n...\n" + detail[-1100:]
+            self.cases.append({"name": name, "passed": bool(passed), "detail": short,
                                "seconds": round(seconds, 1)})
             self.write(complete=False)
         print(f"[{time.time() - self.t0:5.0f}s] {'PASS' if passed else 'FAIL'} {name} ({seconds:.0f}s)", flush=True)
@@ -83,6 +86,13 @@ def fit_command(work: str, size: str, method: str, steps: int) -> list[str]:
             *[a.format(work=work) for a in DATA]]
 
 
+def _finite(text: str) -> bool:
+    try:
+        return math.isfinite(float(text.replace(",", "")))
+    except ValueError:
+        return False
+
+
 def fit_case(acc: Acceptance, size: str, method: str, steps: int = 2) -> None:
     name = f"fit {size} {method}"
     rc, log, secs = acc.run(fit_command(acc.work, size, method, steps), 240, f"{acc.work}/{size}-{method}.log")
@@ -93,6 +103,9 @@ def fit_case(acc: Acceptance, size: str, method: str, steps: int = 2) -> None:
         problems.append("routing did not run on triton")
     if method in ROUTED and "routing differs" in log:
         problems.append("first-batch router check failed")
+    losses = re.findall(r"train/loss (\S+)", log)  # the fit's closing summary
+    if not losses or not _finite(losses[-1]):
+        problems.append(f"final train/loss {losses[-1] if losses else 'not printed'}")
     detail = "; ".join(problems) if problems else (
         "captured path" + (", Triton routing, first-batch check passed" if method in ROUTED else ""))
     tail = "\n".join(log.strip().splitlines()[-8:]) if problems else ""
@@ -154,7 +167,8 @@ def gpu_tests(acc: Acceptance) -> None:
                                                   "tests/test_routing_backend.py"], {})):
         rc, log, secs = acc.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *cmd], 300,
                                 f"{acc.work}/{name.split(':')[1].strip().replace(' ', '_')}.log", env)
-        acc.add(name, rc == 0, "\n".join(log.strip().splitlines()[-6:]), secs)
+        failed = [line for line in log.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        acc.add(name, rc == 0, "\n".join(failed + log.strip().splitlines()[-1:]), secs)
 
 
 def main() -> None:
