@@ -49,7 +49,7 @@ def main() -> None:
         if time.time() - t0 > args.budget_s:
             break
         if mode == "full" and dtype == torch.float32 and SHAPES[shape][0] // heads > 512:
-            continue  # refused by design (MAX_FP32_HEAD_WIDTH)
+            continue  # refused by design (full_routing.max_head_width)
         for seed in range(args.seeds):
             try:
                 stats = case_stats(shape, mode, heads, dtype, seed, tokens)

@@ -6,7 +6,8 @@ Each case is mhar_lit.routing.check at that shape: one forward pass over every s
 and a backward from a random projection of the final site, on the triton router and on the torch router in the
 same dtype, with float64 torch as the reference; the fused routing must be as accurate as eager PyTorch (within
 2x its error plus a floor: the module docstring of mhar_lit.routing.check says why). No configuration may crash:
-full mode in fp32 with heads wider than MAX_FP32_HEAD_WIDTH is refused with a clear error instead.
+full mode with heads wider than full_routing.max_head_width (256 in fp32, 2048 in 16-bit) is refused with a clear
+error instead.
 CUDA only (skipped on CPU machines; the interpreter covers the kernels' math at small widths in tests/kernels, and
 tests/test_routing_backend.py runs the same check through the callback).
 """
@@ -19,7 +20,7 @@ import zlib
 import pytest
 import torch
 
-from mhar_lit.kernels.full_routing import MAX_FP32_HEAD_WIDTH
+from mhar_lit.kernels.full_routing import max_head_width
 from mhar_lit.routing.check import compare_with_reference
 from mhar_lit.routing.factory import make_router
 from routing_defects import DEFECT_INPUTS, OffByOnePercent
@@ -50,7 +51,7 @@ def test_fused_routing_runs_and_matches_the_reference(shape, mode, heads, dtype)
     gen = torch.Generator().manual_seed(seed)
     embedding = torch.randn(1, TOKENS[shape], width, generator=gen, dtype=torch.float64).cuda()
     options = {"span": 4} if mode == "block" else {}  # two layers per block, as the shipped block configs
-    if mode == "full" and dtype == torch.float32 and width // heads > MAX_FP32_HEAD_WIDTH:
+    if mode == "full" and width // heads > max_head_width(dtype):
         with pytest.raises(ValueError, match="supports routing heads up to"):  # refused, not crashed
             compare_with_reference(mode, "triton", heads, embedding, 2 * layers + 1, dtype, router_options=options)
         return
@@ -70,7 +71,7 @@ def test_a_kernel_off_by_one_percent_fails_the_check(shape, mode, heads, dtype):
     embedding = torch.randn(1, TOKENS[shape], width, generator=torch.Generator().manual_seed(seed),
                             dtype=torch.float64).cuda()
     options = {"span": 4} if mode == "block" else {}
-    if mode == "full" and dtype == torch.float32 and width // heads > MAX_FP32_HEAD_WIDTH:
+    if mode == "full" and width // heads > max_head_width(dtype):
         with pytest.raises(ValueError, match="supports routing heads up to"):  # refused: no kernel to check
             compare_with_reference(mode, "triton", heads, embedding, 2 * layers + 1, dtype, router_options=options)
         return

@@ -52,20 +52,28 @@ from mhar_lit.kernels.tuning import (DOT_TOKENS, PROJECT_TOKENS, SUFFIX_SITE_BLO
                                      dot_split, make_config)
 
 
-# The suffix pass keeps a group's fp32 rows of a whole head in shared memory: on an H100 (2026-12-06,
+# The suffix pass keeps a group's rows of a whole head in shared memory: on an H100 (2026-12-06,
 # tests/test_gpu_routing_matrix.py) head widths of 512, 640 and 1280 in fp32 needed 394 / 459 / 918 KB of its 227 KB;
-# 256 ran. bf16 storage takes half the bytes per row.
+# 256 ran. 16-bit heads get fewer suffix tokens when wide (kernels.tuning.suffix_tokens_for); one token of a head
+# wider than 2048 would still pass the budget (estimated: kernels.tuning.suffix_smem_bytes).
 MAX_FP32_HEAD_WIDTH = 256
+MAX_16BIT_HEAD_WIDTH = 2048
 
 
-def check_fp32_head_width(head_width: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse, before any kernel runs, a 32-bit full-mode routing whose head is too wide for the GPU's shared memory."""
-    if device.type == "cuda" and dtype.itemsize >= 4 and head_width > MAX_FP32_HEAD_WIDTH:
+def max_head_width(dtype: torch.dtype) -> int:
+    """The widest routing head full-mode Triton routing runs in `dtype` on the GPU."""
+    return MAX_FP32_HEAD_WIDTH if dtype.itemsize >= 4 else MAX_16BIT_HEAD_WIDTH
+
+
+def check_head_width(head_width: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before any kernel runs, a full-mode routing whose head is too wide for the GPU's shared memory."""
+    widest = max_head_width(dtype)
+    if device.type == "cuda" and head_width > widest:
         raise ValueError(
-            f"full-mode Triton routing in {dtype} supports routing heads up to {MAX_FP32_HEAD_WIDTH} wide, this model's "
+            f"full-mode Triton routing in {dtype} supports routing heads up to {widest} wide, this model's "
             f"are {head_width} (hidden size / heads): the backward's suffix pass would need more shared memory than "
-            "the GPU has. Train in bf16-true, use more routing heads, or route on the PyTorch backend "
-            "(--routing_backend.backend torch)")
+            "the GPU has. " + ("Train in bf16-true, use" if dtype.itemsize >= 4 else "Use")
+            + " more routing heads, or route on the PyTorch backend (--routing_backend.backend torch)")
 
 
 class FullRouting:
@@ -79,7 +87,7 @@ class FullRouting:
         n = query_SD.shape[0]
         self.shape, self.n_sites, self.heads, self.eps = (b, t, d), n, heads, eps
         self.dtype, self.device = embedding_BTD.dtype, embedding_BTD.device
-        check_fp32_head_width(d // heads, self.dtype, self.device)
+        check_head_width(d // heads, self.dtype, self.device)
         self.config = make_config(FullRoutingConfig, config).resolved(n, d, heads, self.dtype.itemsize)
         self.column_impl, self.chunk, self.group = self.config.column_impl, self.config.chunk, self.config.group
         self.acc_t, self.acc_tl = accumulator(self.dtype)

@@ -30,6 +30,13 @@ PIPELINE_MIN_BYTES = 256
 PREFIX_ROW_BLOCK = 16  # rows per step of the prefix's max loop at most (a [C_P, tokens, rows] tile of logits)
 SUFFIX_SITE_BLOCK = 16  # later sites per step of the tensor-core suffix pass
 SUFFIX_TOKENS, SUFFIX_WARPS = 4, 4  # the suffix pass's best CUDA-graph time at 350M and 1B (2026-12-03)
+# The suffix pass's shared memory grows with its [tokens, K] row tile: per byte of that tile, 48 bytes in fp32 and
+# 33-34 in bf16 (benchmarks/compile_check.py for sm_90, 2026-12-07: 139,648 B at 4 tokens x 512 bf16, 270,720 at
+# 4 x 1024, 336,384 at 4 x 1280, 135,424 at 2 x 1024, 168,320 at 2 x 1280; 393,728 at 4 x 512 fp32). 4 tokens
+# of a 1024- or 1280-wide bf16 head (one routing head at 350M or 1B) pass the H100's 227 KB and do not launch;
+# wide heads get fewer tokens, within SUFFIX_SMEM_BUDGET.
+SUFFIX_SMEM_PER_TILE_BYTE = {4: 48, 2: 34}
+SUFFIX_SMEM_BUDGET = 200 * 1024
 COLUMN_SITE_BLOCK = 2  # in-group sites per step of the per-head column kernel: beat 1 and 4 everywhere (2026-12-04)
 # How a source's backward is finished: "row" (one full-row kernel) wins at 100M / 350M, "head" (per-head
 # column kernel + tensor-core key path) at 1B, whose head width 160 pads to 256 (2026-12-04; default_column_impl).
@@ -109,7 +116,8 @@ class FullRoutingConfig:
         return dataclasses.replace(
             self, chunk=chunk, group=group, column_impl=impl, column_width=k_w, prefix_stages=stages,
             prefix_unroll=unroll, prefix_tokens=prefix_tokens, prefix_warps=self.prefix_warps or self.num_warps,
-            suffix_tokens=self.suffix_tokens or SUFFIX_TOKENS, suffix_warps=self.suffix_warps or SUFFIX_WARPS,
+            suffix_tokens=self.suffix_tokens or suffix_tokens_for(k, itemsize),
+            suffix_warps=self.suffix_warps or SUFFIX_WARPS,
             column_tokens=column_tokens,
             column_warps=self.column_warps or (ROW_COLUMN_WARPS if impl == "row" else self.num_warps),
             column_sites=column_sites, keypath_tokens=self.keypath_tokens or DOT_TOKENS,
@@ -129,6 +137,19 @@ def default_column_impl(k: int, heads: int) -> str:
     "head"."""
     fits = pow2(heads) * k <= ROW_COLUMN_TILE
     return "row" if pow2(k) == k <= ROW_MAX_HEAD and fits else "head"
+
+
+def suffix_smem_bytes(tokens: int, k: int, itemsize: int) -> int:
+    """The suffix pass's estimated shared memory for a [tokens, k] row tile of `itemsize`-byte elements."""
+    return tokens * k * itemsize * SUFFIX_SMEM_PER_TILE_BYTE.get(itemsize, max(SUFFIX_SMEM_PER_TILE_BYTE.values()))
+
+
+def suffix_tokens_for(k: int, itemsize: int) -> int:
+    """SUFFIX_TOKENS, halved while the suffix pass's shared memory would pass SUFFIX_SMEM_BUDGET (at least 1)."""
+    tokens = SUFFIX_TOKENS
+    while tokens > 1 and suffix_smem_bytes(tokens, k, itemsize) > SUFFIX_SMEM_BUDGET:
+        tokens //= 2
+    return tokens
 
 
 def balanced_group(n: int, most: int) -> int:

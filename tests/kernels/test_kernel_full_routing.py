@@ -132,6 +132,10 @@ def test_unroll_and_tiling_change_nothing():
                                   column_sites=1, prefix_stages=3, logits_tokens=16, **impl)
         for name, a, b in zip(NAMES, tiled, base):
             assert rel(a, b) <= 1e-6, f"{impl} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
+    for tokens in (1, 2):  # the suffix tiles that wide heads get (tuning.suffix_tokens_for)
+        narrow = full_mode_output_and_grads("triton", *problem, 3, torch.float32, chunk=3, group=2, suffix_tokens=tokens)
+        for name, a, b in zip(NAMES, narrow, base):
+            assert rel(a, b) <= 1e-6, f"suffix_tokens {tokens} {name}: {rel(a, b):.1e} (seed {gen.initial_seed()})"
 
 
 def test_keypath_slices_and_column_steps_match_float64():
@@ -565,14 +569,32 @@ def test_strategies_take_no_backend_argument():
         assert residual.backend == residual.router.backend == "triton"
 
 
-def test_fp32_heads_too_wide_for_shared_memory_are_refused_on_cuda():
-    """fp32 full-mode routing with heads wider than 256 is refused before a kernel runs on a GPU (its suffix pass
-    needs more shared memory than an H100 has); bf16 storage and the CPU interpreter are not limited."""
-    from mhar_lit.kernels.full_routing import check_fp32_head_width
+def test_heads_too_wide_for_shared_memory_are_refused_on_cuda():
+    """Full-mode routing with heads wider than 256 in fp32 or 2048 in bf16 is refused before a kernel runs on a
+    GPU (its suffix pass needs more shared memory than an H100 has); the CPU interpreter is not limited."""
+    from mhar_lit.kernels.full_routing import check_head_width
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     with pytest.raises(ValueError, match="supports routing heads up to 256 wide, this model's are 512"):
-        check_fp32_head_width(512, torch.float32, cuda)
-    check_fp32_head_width(256, torch.float32, cuda)
-    check_fp32_head_width(512, torch.bfloat16, cuda)
-    check_fp32_head_width(512, torch.float32, cpu)
+        check_head_width(512, torch.float32, cuda)
+    with pytest.raises(ValueError, match="supports routing heads up to 2048 wide, this model's are 4096"):
+        check_head_width(4096, torch.bfloat16, cuda)
+    check_head_width(256, torch.float32, cuda)
+    check_head_width(2048, torch.bfloat16, cuda)
+    check_head_width(512, torch.float32, cpu)
+
+
+def test_wide_heads_get_a_suffix_tile_within_the_shared_memory_budget():
+    """The suffix pass's token tile shrinks for wide heads so that its shared memory (per compile_check on sm_90)
+    stays within budget: the measured-fastest 4 tokens wherever they fit (every H = 8 shipped shape, and one head
+    at 100M in bf16), 2 at one bf16 head of 350M (1024) and 1B (1280), 1 at the widest bf16 head allowed."""
+    from mhar_lit.kernels.tuning import SUFFIX_SMEM_BUDGET, FullRoutingConfig, suffix_smem_bytes
+
+    def tokens(width, heads, itemsize):
+        return FullRoutingConfig().resolved(25, width, heads, itemsize).suffix_tokens
+
+    assert [tokens(w, 8, 2) for w in (512, 1024, 1280, 4096)] == [4, 4, 4, 4]
+    assert [tokens(w, 1, 2) for w in (512, 1024, 1280, 2048)] == [4, 2, 2, 1]
+    assert [tokens(w, 8, 4) for w in (512, 1024, 2048)] == [4, 4, 4]
+    assert suffix_smem_bytes(1, 2048, 2) <= SUFFIX_SMEM_BUDGET
+    assert FullRoutingConfig(suffix_tokens=8).resolved(25, 1024, 1, 2).suffix_tokens == 8  # a given value is kept
