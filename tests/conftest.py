@@ -32,12 +32,13 @@ import torch  # noqa: E402
 import lightning  # noqa: E402,F401
 from seeds import draw_seed  # noqa: E402
 from triton_interpreter import (builtin_lists_found_once, numpy_dtypes_from_one_table,  # noqa: E402
-                                patch_lang_once_per_launch)
+                                patch_lang_once_per_launch, scalar_index_from_one_element_arrays)
 
 if os.environ["TRITON_INTERPRET"] == "1":
     patch_lang_once_per_launch()
     numpy_dtypes_from_one_table()
     builtin_lists_found_once()
+    scalar_index_from_one_element_arrays()
 
 
 @pytest.fixture(autouse=True)

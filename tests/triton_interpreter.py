@@ -121,3 +121,26 @@ def builtin_lists_found_once() -> bool:
     patch_builtin.found_once = True
     interpreter._patch_builtin = patch_builtin
     return True
+
+
+def scalar_index_from_one_element_arrays() -> bool:
+    """A kernel's scalar argument is a one-element array in the interpreter; Triton 3.6's turns it into a loop bound
+    or index with `int(array)`, which numpy 2.4 refuses for an array of one dimension ("only 0-dimensional arrays
+    can be converted to Python scalars": every kernel with `range(0, K, ...)` fails). Newer Triton squeezes the
+    array first; this gives every version that behaviour. False (nothing changed) where the interpreter lacks the
+    function."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "squeezes_index", False):
+        return original is not None
+
+    def patch_lang_tensor(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor.squeezes_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    return True
