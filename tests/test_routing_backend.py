@@ -171,3 +171,12 @@ def test_a_backward_error_fails_the_check_although_the_logits_agree(monkeypatch,
     residual = FullAttnRes(heads=4) if router_class == "FullRouter" else BlockAttnRes(heads=2, layers_per_block=1)
     with pytest.raises(RuntimeError, match="routing on random queries, forward and backward: grad_"):
         _fit(residual, RoutingBackend(backend="triton"), steps=1)
+
+
+def test_the_routing_backend_is_printed(caplog):
+    """The chosen backend is a line of the fit's output (benchmarks/gpu_acceptance.py reads it there), said through
+    Lightning's rank-zero logger as the capture decision is: mhar_lit's own loggers print warnings only."""
+    with caplog.at_level("INFO"):
+        _fit(FullAttnRes(heads=2), RoutingBackend(backend="torch"), steps=1)
+    said = [r.name for r in caplog.records if r.getMessage() == "depth routing backend: torch"]
+    assert said and all(name.startswith("lightning.") for name in said), said

@@ -20,6 +20,7 @@ from typing import Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from mhar_lit.residual.attnres import RoutedResidual
 from mhar_lit.routing.check import compare_with_reference
@@ -129,7 +130,8 @@ class RoutingBackend(L.Callback):
         residual.set_routing_backend(chosen, residual.routing_choice[1] if chosen == residual.backend else None)
         self._pending_check = chosen == "triton" and self.check and stage == "fit"
         self.report = {"routing_backend": chosen}
-        log.info("depth routing backend: %s", chosen)
+        # printed, as the capture decision is (mhar_lit's own loggers print warnings only)
+        rank_zero_info(f"depth routing backend: {chosen}")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self._pending_check:
