@@ -201,19 +201,14 @@ def read_checkpoint(path: str | os.PathLike, tokenizer: Optional[str] = None, eo
 
 def _model(checkpoint: dict[str, Any], allowed: Optional[tuple[str, ...]]):
     from mhar_lit.config import ModelConfig
-    from mhar_lit.models.decoder import DecoderLM
+    from mhar_lit.models.decoder import unloaded_decoder
     from mhar_lit.residual.base import ALLOWED_PACKAGES, ResidualStrategy
 
     saved = checkpoint["mhar_lit"]
     strategy = ResidualStrategy.from_config(saved["residual"], allowed or ALLOWED_PACKAGES)
-    config = ModelConfig.from_dict(saved["model_config"])
-    # built on meta and given fp32 storage without a random init: every tensor is loaded next (strictly), and
-    # drawing ~1e9 normals first would cost seconds at 1B; to_empty makes a tied head its own tensor again
-    with torch.device("meta"):
-        model = DecoderLM(config, strategy, init_weights=False)
-    model = model.to_empty(device="cpu")
-    if config.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    # fp32 storage without a random init: every tensor is loaded next (strictly), and drawing ~1e9 normals
+    # first would cost seconds at 1B
+    model = unloaded_decoder(ModelConfig.from_dict(saved["model_config"]), strategy)
     state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
     model.load_state_dict(state)
     return model.eval()

@@ -14,16 +14,30 @@ modules the helper sees; anything else goes to Triton's own `_patch_lang`. Measu
 import inspect
 
 
-def patch_lang_once_per_launch() -> bool:
-    """Install the shortcut; False (nothing changed) where this Triton's interpreter lacks the hook it wraps."""
+def _replace_in_interpreter(name: str, build) -> bool:
+    """Replace triton.runtime.interpreter.<name> with build(original), once (the replacement is marked). False
+    (nothing changed) where Triton or that function is missing."""
     try:
-        import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
         return False
-    original = getattr(interpreter, "_patch_lang", None)
-    if original is None or getattr(original, "once_per_launch", False):
+    original = getattr(interpreter, name, None)
+    if original is None or getattr(original, "mhar_lit_replacement", False):
         return original is not None
+    replacement = build(original)
+    replacement.mhar_lit_replacement = True
+    setattr(interpreter, name, replacement)
+    return True
+
+
+def patch_lang_once_per_launch() -> bool:
+    """Install the shortcut; False (nothing changed) where this Triton's interpreter lacks the hook it wraps."""
+    return _replace_in_interpreter("_patch_lang", _patch_lang_once_per_launch)
+
+
+def _patch_lang_once_per_launch(original):
+    import triton.language as tl
+
     active = []  # the lang modules the running launch replaced (one set while a launch runs)
     langs_of = {}  # jit function -> the lang modules in its globals, as _patch_lang collects them
 
@@ -52,23 +66,19 @@ def patch_lang_once_per_launch() -> bool:
         scope.restore = restore_and_end_launch
         return scope
 
-    patch_lang.once_per_launch = True
-    interpreter._patch_lang = patch_lang
-    return True
+    return patch_lang
 
 
 def numpy_dtypes_from_one_table() -> bool:
     """The interpreter maps a Triton dtype to the numpy dtype that holds it (`_get_np_dtype`) several times per
     operation, rebuilding its 19-entry table on every call (~9% of a kernel test's time); here the same mapping
     reads one table built once. False (nothing changed) where this Triton's interpreter lacks the function."""
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return False
-    original = getattr(interpreter, "_get_np_dtype", None)
-    if original is None or getattr(original, "one_table", False):
-        return original is not None
+    return _replace_in_interpreter("_get_np_dtype", _np_dtype_from_one_table)
+
+
+def _np_dtype_from_one_table(original):
+    import triton.language as tl
+
     pointer = original(tl.pointer_type(tl.int8))
     table = {}  # every scalar dtype triton.language names that the interpreter maps
     for dtype in vars(tl.core).values():
@@ -86,9 +96,7 @@ def numpy_dtypes_from_one_table() -> bool:
             return pointer if isinstance(element, tl.pointer_type) else table[element]
         return table[tt_dtype]
 
-    get_np_dtype.one_table = True
-    interpreter._get_np_dtype = get_np_dtype
-    return True
+    return get_np_dtype
 
 
 def builtin_lists_found_once() -> bool:
@@ -97,14 +105,13 @@ def builtin_lists_found_once() -> bool:
     test's time). Here each one's list of builtins is found once, while none is replaced (before any launch), and
     each launch replaces the same members with the same wrappers as before. False (nothing changed) where this
     Triton's interpreter lacks the function."""
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return False
-    original = getattr(interpreter, "_patch_builtin", None)
-    if original is None or getattr(original, "found_once", False):
-        return original is not None
+    return _replace_in_interpreter("_patch_builtin", _patch_builtin_from_lists_found_once)
+
+
+def _patch_builtin_from_lists_found_once(original):
+    import triton.language as tl
+    from triton.runtime import interpreter
+
     builtins = {}  # id(pkg) -> (pkg, [(name, member)]): the originals, listed before any launch replaced them
     for pkg in (tl, tl.core, tl.tensor, tl.core.tensor, tl.math, tl.core.tensor_descriptor_base):
         builtins[id(pkg)] = (pkg, [(name, member) for name, member in inspect.getmembers(pkg)
@@ -118,9 +125,7 @@ def builtin_lists_found_once() -> bool:
         for name, member in listed[1]:
             interpreter._patch_attr(pkg, name, member, builder, scope)
 
-    patch_builtin.found_once = True
-    interpreter._patch_builtin = patch_builtin
-    return True
+    return patch_builtin
 
 
 def scalar_index_from_one_element_arrays() -> bool:
@@ -129,18 +134,12 @@ def scalar_index_from_one_element_arrays() -> bool:
     can be converted to Python scalars": every kernel with `range(0, K, ...)` fails). Newer Triton squeezes the
     array first; this gives every version that behaviour. False (nothing changed) where the interpreter lacks the
     function."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return False
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "squeezes_index", False):
-        return original is not None
+    return _replace_in_interpreter("_patch_lang_tensor", _patch_lang_tensor_squeezing_index)
 
+
+def _patch_lang_tensor_squeezing_index(original):
     def patch_lang_tensor(tensor, scope) -> None:
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
-    patch_lang_tensor.squeezes_index = True
-    interpreter._patch_lang_tensor = patch_lang_tensor
-    return True
+    return patch_lang_tensor

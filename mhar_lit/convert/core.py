@@ -34,7 +34,7 @@ from mhar_lit.convert.hf_config import (
     model_config_from_hf,
 )
 from mhar_lit.convert.io import DEFAULT_MAX_SHARD_BYTES, Planned, TensorReader, staged_directory, write_tensors
-from mhar_lit.models.decoder import DecoderLM
+from mhar_lit.models.decoder import DecoderLM, unloaded_decoder
 from mhar_lit.residual.base import ResidualStrategy
 
 log = logging.getLogger(__name__)
@@ -336,9 +336,7 @@ def build_from_weights(cfg: ModelConfig, residual: ResidualStrategy, path: str |
     uninitialised); strategy tensors the file lacks keep the strategy's own (identity) init. At 8B this
     skips ~8e9 random draws and one full-size temporary copy per rank.
     """
-    model = _meta_model(cfg, residual).to_empty(device=device).to(dtype=dtype)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model = unloaded_decoder(cfg, residual, device).to(dtype=dtype)  # .to keeps the tie (same Parameter)
     model.residual.reset_parameters()
     load_weights_into(model, path, check_config=check_config)
     return model

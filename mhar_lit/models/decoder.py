@@ -306,3 +306,15 @@ class DecoderLM(nn.Module):
             if not self.config.tie_embeddings:
                 total -= self.lm_head.weight.numel()
         return total
+
+
+def unloaded_decoder(config: ModelConfig, residual: ResidualStrategy,
+                     device: str | torch.device = "cpu") -> DecoderLM:
+    """A DecoderLM with storage on `device` and no init drawn, for a caller that loads every tensor next: built on
+    meta, then given empty storage (to_empty makes a tied head a tensor of its own, so it is tied again)."""
+    with torch.device("meta"):
+        model = DecoderLM(config, residual, init_weights=False)
+    model = model.to_empty(device=device)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
