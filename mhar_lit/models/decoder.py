@@ -311,10 +311,19 @@ class DecoderLM(nn.Module):
 def unloaded_decoder(config: ModelConfig, residual: ResidualStrategy,
                      device: str | torch.device = "cpu") -> DecoderLM:
     """A DecoderLM with storage on `device` and no init drawn, for a caller that loads every tensor next: built on
-    meta, then given empty storage (to_empty makes a tied head a tensor of its own, so it is tied again)."""
+    meta, then each parameter and buffer given empty storage by torch.empty (Module.to_empty goes through
+    torch._refs.empty_like for meta tensors, which imports torch's symbolic-shape machinery: ~0.7 s of a
+    `generate` start). A tied head becomes a tensor of its own that way, so it is tied again."""
     with torch.device("meta"):
         model = DecoderLM(config, residual, init_weights=False)
-    model = model.to_empty(device=device)
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model
