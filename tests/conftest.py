@@ -24,27 +24,53 @@ import shutil  # noqa: E402
 import sqlite3  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
-# Lightning attaches its log handler to the sys.stderr of the moment it is first imported: imported inside a test, that
-# is the test's capsys stream, closed after it, and every later log line of the process fails to print
-import lightning  # noqa: E402,F401
 from seeds import draw_seed  # noqa: E402
-from triton_interpreter import (builtin_lists_found_once, numpy_dtypes_from_one_table,  # noqa: E402
-                                patch_lang_once_per_launch, scalar_index_from_one_element_arrays)
+from start_order import longest_first_chunks  # noqa: E402
 
-if os.environ["TRITON_INTERPRET"] == "1":
-    patch_lang_once_per_launch()
-    numpy_dtypes_from_one_table()
-    builtin_lists_found_once()
-    scalar_index_from_one_element_arrays()
+
+def _controls_xdist_workers(config) -> bool:
+    """The controlling process of an xdist run: it starts the workers and collects their reports, and runs,
+    collects and imports no test itself."""
+    distributed = config.getoption("dist", "no") != "no" and bool(config.getoption("tx", None))
+    return distributed and not config.getoption("collectonly") and not hasattr(config, "workerinput")
+
+
+def pytest_configure(config):
+    """Lightning and the Triton interpreter, set up in each process that runs tests (each xdist worker, or the one
+    process without xdist), before any test module is imported. The controlling process of an xdist run skips them:
+    their ~10 s of imports there would delay the start of every worker."""
+    if _controls_xdist_workers(config):
+        return
+    # Lightning attaches its log handler to the sys.stderr of the moment it is first imported: imported inside a
+    # test, that is the test's capsys stream, closed after it, and every later log line of the process fails to print
+    import lightning  # noqa: F401
+
+    if os.environ["TRITON_INTERPRET"] == "1":
+        from triton_interpreter import (builtin_lists_found_once, numpy_dtypes_from_one_table,
+                                        patch_lang_once_per_launch, scalar_index_from_one_element_arrays)
+
+        patch_lang_once_per_launch()
+        numpy_dtypes_from_one_table()
+        builtin_lists_found_once()
+        scalar_index_from_one_element_arrays()
+
+
+# ------------------------------------------------------------------------------------------ the order on xdist workers
+@pytest.hookimpl(trylast=True)  # after `-m` deselected what this run leaves out
+def pytest_collection_modifyitems(config, items):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        items[:] = [item for chunk in longest_first_chunks(items, workers) for item in chunk]
 
 
 @pytest.fixture(autouse=True)
 def _seeded_global_rngs():
     """Every test starts from global RNGs seeded by its own fixed seed (tests/seeds.py), so a test's draws do not
     depend on which tests ran before it; MHAR_RANDOM_SEEDS=1 draws fresh seeds instead."""
+    import numpy as np
+    import torch
+
     seed = draw_seed()
     random.seed(seed)
     np.random.seed(seed)

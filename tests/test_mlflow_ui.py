@@ -120,7 +120,9 @@ def ui(trained):
     """`mlflow ui` of .venv-ui on the trained store (a free port on 127.0.0.1); returns its base URL."""
     root, uri, _, _ = trained
     port, log = _free_port(), root / "mlflow_ui.log"
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    # no job runner: MLflow's server otherwise starts 7 huey consumer processes (jobs of its GenAI features, which
+    # these pages do not use), each importing MLflow beside the tests
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     with open(log, "w") as out:  # its own process group, so that stopping it also stops its uvicorn workers
         server = subprocess.Popen(
             [str(UI_MLFLOW), "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port),
