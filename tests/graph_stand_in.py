@@ -1,15 +1,12 @@
 """A CPU stand-in for torch.cuda.make_graphed_callables with the semantics the training path depends on:
 
 - gradients: the backward writes the parameters' gradients into static buffers that every call reuses and returns
-  `buffer.detach()`, as the real one does (what GraphGradients guards against under accumulation);
+  `buffer.detach()`, as the real one does (what the captured step must copy before the next replay);
 - autocast: the autocast state at capture is the one every replay runs, forward and backward, whatever autocast
   surrounds the replay; autocast's weight cache is refused at capture, as the real one refuses it;
 - the capture's graph: the real one keeps its captured forward's outputs with their autograd graph, so the
-  parameters' AccumulateGrad nodes of capture time (made on its side stream) outlive it; so does this one, and
-  it tags those nodes (CAPTURE_NODE_TAG in their metadata) so that a test can see whether backward reuses them.
+  parameters' AccumulateGrad nodes of capture time (made on its side stream) outlive it; so does this one.
 Outputs that carry no gradient (the fused loss's z, for logging) are left out of the backward."""
-
-CAPTURE_NODE_TAG = "stand_in_capture"
 
 import torch
 
@@ -28,8 +25,6 @@ def static_buffer_graphs(loss_module, sample_args, allow_unused_input=False):
 
     with torch.enable_grad(), as_captured():
         capture_outputs = loss_module(*sample_args)  # kept, graph and all, for as long as the callable lives
-    for p in params:
-        p.expand_as(p).grad_fn.next_functions[0][0].metadata[CAPTURE_NODE_TAG] = True
 
     class Replay(torch.autograd.Function):
         @staticmethod

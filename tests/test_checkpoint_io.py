@@ -11,8 +11,13 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from subprocess_env import python_path
 
-from mhar_lit.lit.checkpoint_io import AtomicCheckpointIO, CorruptCheckpointError, sidecar_path
+from mhar_lit.lit.checkpoint_io import (
+    AtomicCheckpointIO,
+    CorruptCheckpointError,
+    sidecar_path,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -122,7 +127,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_intact(tmp_path):
     folder.mkdir()
     elsewhere.mkdir()
     last = folder / "last.ckpt"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(elsewhere)}
+    env = {**os.environ, "PYTHONPATH": python_path(), "TMPDIR": str(elsewhere)}
     child = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(last)], stdout=subprocess.PIPE, env=env, text=True)
     try:
         assert child.stdout.readline().strip() == "midway"

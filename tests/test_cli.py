@@ -3,16 +3,17 @@
 import glob
 import json
 import math
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 import torch
+import yaml
 from lightning.pytorch import Callback
+from subprocess_env import python_path
 
 from mhar_lit.cli import build_cli
 
@@ -290,7 +291,7 @@ def test_sweep_and_compare(tmp_path, capfd, monkeypatch):
     from mhar_lit.sweep import compare_main, sweep_main
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", str(REPO))  # for the fits the sweep starts
+    monkeypatch.setenv("PYTHONPATH", python_path())  # for the fits the sweep starts
     base = _tiny_args(tmp_path, "--trainer.max_steps", "4", residual=False)
     extra = [a for a in base if a not in ("--config", str(REPO / "configs/demo.yaml"))]
     code = sweep_main(["--config", str(REPO / "configs/demo.yaml"), "--sweep_id", "sw-test", "--grid",
@@ -347,7 +348,7 @@ COMMANDS = ["fit", "validate", "test", "predict", "sweep", "compare", "probe", "
 
 
 def _run_module(*args, cwd, env_extra=None, timeout=300):
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
+    env = {**os.environ, "PYTHONPATH": python_path(), **(env_extra or {})}
     if "MHAR_DEBUG" not in (env_extra or {}):
         env.pop("MHAR_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "mhar_lit", *args], cwd=cwd, env=env, capture_output=True,

@@ -65,8 +65,8 @@ def test_captured_callable_serves_its_shape_and_other_shapes_run_eagerly(monkeyp
         _fit(module, batches)
     _fit(eager, batches)
     assert captured == [((2, 8), (2, 8))]
-    # one call at capture learns the static gradient buffers (GraphGradients), then one per batch of that shape
-    assert module._graphed_loss.graphed.calls == [(2, 8)] * 4 and module._graphed_loss.eager_batches == 1
+    # one call per batch of the captured shape
+    assert module._graphed_loss.graphed.calls == [(2, 8)] * 3 and module._graphed_loss.eager_batches == 1
     for (name, p), (_, q) in zip(module.named_parameters(), eager.named_parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)  # the same training, step for step
 
@@ -96,7 +96,7 @@ def test_default_takes_the_captured_path_when_capture_is_valid(monkeypatch):
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_make_graphed_callables)
     module = LanguageModel(size="tiny", warmup_steps=1)
     _fit(module, [torch.randint(0, 256, (2, 9)) for _ in range(2)])
-    assert module._graphed_loss.decision is True and calls == [(2, 8)] * 3  # capture's probe + 2 batches
+    assert module._graphed_loss.decision is True and calls == [(2, 8)] * 2  # one per batch
 
 
 def test_cuda_graph_false_and_compile_train_eagerly():
@@ -125,32 +125,22 @@ def test_captured_step_equals_eager_under_gradient_accumulation(monkeypatch, acc
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
 
 
-def test_the_stand_in_reproduces_the_aliasing_defect_without_the_guard(monkeypatch):
-    """Without GraphGradients the stand-in's static buffers corrupt accumulated gradients (the defect the guard
-    fixes), so the test above would catch a regression."""
-    monkeypatch.setattr(cuda_graph.GraphGradients, "before_backward", lambda self, grad: grad)
+def test_the_stand_in_reproduces_the_aliasing_defect_without_the_copy(monkeypatch):
+    """Were the first microbatch's .grad the static buffer itself rather than a copy, the next replay would overwrite
+    the running sum: the stand-in's static buffers then corrupt accumulated gradients, so the test above would
+    catch a regression."""
+    monkeypatch.setattr(cuda_graph, "_copies", lambda tensors: tensors)
     captured, eager = _captured_and_eager_after_accumulation(monkeypatch, 4)
     differs = [name for (name, p), (_, q) in zip(captured.named_parameters(), eager.named_parameters())
                if not torch.equal(p, q)]
     assert len(differs) > len(list(captured.parameters())) // 2, differs
 
 
-def _holds_a_capture_node(module) -> list[str]:
-    from graph_stand_in import CAPTURE_NODE_TAG
-
-    return [name for name, p in module.named_parameters()
-            if CAPTURE_NODE_TAG in cuda_graph._accumulator(p).metadata]
-
-
-def test_backward_makes_its_own_gradient_accumulators_after_capture(monkeypatch):
-    """make_graphed_callables keeps its captured forward's graph, whose AccumulateGrad nodes belong to the capture
-    stream (on a GPU, gradient adds ran there, racing the training stream: NaN under accumulation). After capture
-    that graph is released, so no parameter's accumulator is still the capture's; the check fails if it is not."""
-    captured, _ = _captured_and_eager_after_accumulation(monkeypatch, 4)
-    assert _holds_a_capture_node(captured) == []
-    monkeypatch.setattr(cuda_graph, "release_capture_graph", lambda outputs, parameters: True)
-    kept, _ = _captured_and_eager_after_accumulation(monkeypatch, 1)
-    assert len(_holds_a_capture_node(kept)) == len(list(kept.parameters()))
+def _count_accumulate_grad_runs(module) -> list[int]:
+    runs = [0]
+    for p in module.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: runs.__setitem__(0, runs[0] + 1))
+    return runs
 
 
 def _graphs_whose_capture_graph_is_held_elsewhere(monkeypatch):
@@ -165,21 +155,22 @@ def _graphs_whose_capture_graph_is_held_elsewhere(monkeypatch):
         return graphed
 
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", graphs)
+    return held
 
 
-def test_a_capture_graph_held_elsewhere_trains_eagerly_or_is_refused(monkeypatch, caplog):
-    """If the capture's graph outlives its release, gradients would be added on the capture stream: the default
-    trains eagerly (the same parameters as eager, and says why), `cuda_graph: true` refuses."""
+def test_no_accumulate_grad_node_runs_in_a_captured_step(monkeypatch):
+    """make_graphed_callables keeps its captured forward's graph, whose AccumulateGrad nodes belong to the capture
+    stream (on a GPU, gradient adds ran there, racing the training stream: NaN under accumulation). The captured
+    step adds into .grad itself, so no parameter's AccumulateGrad node runs, even with the capture's graph held
+    elsewhere, and the parameters still match eager training exactly; the eager step runs them all."""
     captured, eager = captured_and_eager_models(monkeypatch)
-    _graphs_whose_capture_graph_is_held_elsewhere(monkeypatch)
+    held = _graphs_whose_capture_graph_is_held_elsewhere(monkeypatch)
+    captured_runs, eager_runs = _count_accumulate_grad_runs(captured), _count_accumulate_grad_runs(eager)
     batches = [torch.randint(0, 256, (2, 9)) for _ in range(8)]
-    with caplog.at_level("INFO"):
-        for module in (captured, eager):
-            _fit(module, batches, accumulate_grad_batches=4)
-    assert captured._graphed_loss.decision is False and captured._graphed_loss.graphed is None
-    assert "training steps: eager: the captured forward's autograd graph is still held" in caplog.text
+    for module in (captured, eager):
+        _fit(module, batches, accumulate_grad_batches=4)
+    assert held and captured._graphed_loss.decision is True
+    # _fit takes max_steps=8 optimizer steps, 4 microbatches each: every parameter's node runs 32 times in eager
+    assert captured_runs == [0] and eager_runs == [32 * len(list(eager.parameters()))]
     for (name, p), (_, q) in zip(captured.named_parameters(), eager.named_parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
-    required = LanguageModel(size="tiny", residual=FullAttnRes(heads=2), cuda_graph=True)
-    with pytest.raises(RuntimeError, match="cuda_graph=True cannot capture this run: the captured forward's"):
-        _fit(required, batches[:1])

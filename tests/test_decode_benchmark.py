@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from subprocess_env import python_path
 
 REPO = Path(__file__).resolve().parents[1]
 CASE_KEYS = {"model", "batch", "prompt", "new_tokens", "tokens_per_s", "ttft_ms", "transformers_eager_tokens_per_s",
@@ -18,7 +19,7 @@ def test_dry_run_writes_every_case(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "decode.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "decode.py"), "--dry-run", "--out", str(out)],
-                   check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                   check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": python_path()})
     report = json.loads(out.read_text())
     assert report["complete"] and report["dry_run"] and report["device"] and report["commit"]
     assert report["same_tokens_as_eager_mode"] == {"qwen3-0.6b-delta-h8": True, "350M-standard": True,

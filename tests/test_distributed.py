@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from subprocess_env import python_path
 
 TESTS = Path(__file__).resolve().parent
-ENV = {**os.environ, "PYTHONPATH": str(TESTS.parent), "TRITON_INTERPRET": "1"}
+ENV = {**os.environ, "PYTHONPATH": python_path(), "TRITON_INTERPRET": "1"}
 
 
 def _run(args, cwd):

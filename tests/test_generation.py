@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from subprocess_env import python_path
 
 from mhar_lit.config import ModelConfig
 from mhar_lit.generation import (
@@ -25,7 +26,13 @@ from mhar_lit.generation import (
 )
 from mhar_lit.generation.cli import TextStream, generate_main
 from mhar_lit.models.decoder import DecoderLM, apply_rope
-from mhar_lit.residual import BlockAttnRes, DeltaAttnRes, FullAttnRes, HyperConnections, StandardResidual
+from mhar_lit.residual import (
+    BlockAttnRes,
+    DeltaAttnRes,
+    FullAttnRes,
+    HyperConnections,
+    StandardResidual,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -344,7 +351,7 @@ def trained_ckpt(trained_demo_checkpoint):
 
 def test_generate_help_lists_the_flags():
     out = subprocess.run([sys.executable, "-m", "mhar_lit.generation", "--help"], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, check=True).stdout
+                         env={**os.environ, "PYTHONPATH": python_path()}, check=True).stdout
     for flag in ("--ckpt", "--prompt", "--prompt_file", "--max_new_tokens", "--temperature", "--top_k", "--top_p",
                  "--seed", "--stop", "--device", "--dtype"):
         assert flag in out
@@ -450,7 +457,7 @@ def test_generate_imports_neither_lightning_nor_dynamo(source, trained_ckpt, tmp
         ckpt = str(tmp_path / "model")
         save_pretrained(randomised_model("full", 4), ckpt)
     listed = tmp_path / "imported.json"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     done = subprocess.run([sys.executable, "-c", _GENERATE_AND_LIST_IMPORTS, str(listed), "generate", "--ckpt", ckpt,
                            "--tokenizer", "bytes", "--prompt", "def ", "--max_new_tokens", "3"],
                           env=env, capture_output=True, text=True, timeout=300)

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-
+from subprocess_env import python_path
 from test_cli import REPO, _fit, _tiny_args
 
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
+ENV = {**os.environ, "PYTHONPATH": python_path(), "TRITON_INTERPRET": "1"}
 
 # One process of the race: for each store URI, say "ready", wait for the test's "go" (so that both processes open
 # the fresh store at the same moment, after their imports), then open the store, log a metric and finish a run.

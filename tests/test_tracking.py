@@ -6,9 +6,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from subprocess_env import python_path
 
 from mhar_lit.residual import FullAttnRes, HyperConnections, StandardResidual
-from mhar_lit.tracking import is_standard_residual_run, local_store_path, method_tags, run_name_method, tag_run
+from mhar_lit.tracking import (
+    is_standard_residual_run,
+    local_store_path,
+    method_tags,
+    run_name_method,
+    tag_run,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -16,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("given,expected", [(None, "true"), ("false", "false")])
 def test_telemetry_is_off_unless_the_user_says_otherwise(given, expected):
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_DISABLE_TELEMETRY"}
-    env.update({"PYTHONPATH": str(REPO), **({"MLFLOW_DISABLE_TELEMETRY": given} if given else {})})
+    env.update({"PYTHONPATH": python_path(), **({"MLFLOW_DISABLE_TELEMETRY": given} if given else {})})
     code = "import os, mhar_lit.tracking; print(os.environ['MLFLOW_DISABLE_TELEMETRY'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == expected

@@ -142,4 +142,4 @@ def grouped_attention(q_BHTD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, folded_bia
     b, h, t, d = q_BHTD.shape
     kv_heads = k_BKLD.shape[1]
     q = q_BHTD.reshape(b, kv_heads, (h // kv_heads) * t, d)
-    return F.scaled_dot_product_attention(q, k_BKLD, v_BKLD, attn_mask=folded_bias).view(b, h, t, d)
+    return F.scaled_dot_product_attention(q, k_BKLD, v_BKLD, attn_mask=folded_bias).reshape(b, h, t, d)

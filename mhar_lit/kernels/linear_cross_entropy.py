@@ -103,9 +103,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor, grad_z: Tensor):
         grad_x, grad_w = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        # Always a new tensor: under capture, the forward graph rewrites grad_w at every replay, so handing
-        # autograd that buffer itself as a parameter's .grad would let the next microbatch's forward overwrite
-        # an accumulated gradient before cuda_graph.GraphGradients could copy it.
+        # Always a new tensor: under capture, the forward graph rewrites grad_w at every replay, so the backward
+        # must not hand out that buffer itself as the weight's gradient.
         dx = torch.mul(grad_x, grad_loss, out=torch.empty(grad_x.shape, dtype=x_dtype, device=grad_x.device))
         dw = torch.mul(grad_w, grad_loss, out=torch.empty(grad_w.shape, dtype=w_dtype, device=grad_w.device))
         return dx, dw, None, None, None, None, None

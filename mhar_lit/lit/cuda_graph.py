@@ -24,21 +24,17 @@ forward: same values).
 A batch of another shape than the first (a last partial batch) runs eagerly on the same parameters, with
 a warning the first time: same function, just not replayed.
 
-Gradient accumulation: the captured backward hands autograd its static gradient buffers, which the next replay
-overwrites. A parameter whose .grad is None adopts such a buffer as its .grad (AccumulateGrad steals a tensor
-nobody else holds), so with several microbatches per step the next replay would overwrite the running sum and
-the add after it would double the last microbatch's gradient. `GraphGradients` gives such a .grad storage of
-its own right before the next captured backward (one copy per optimizer step, only when accumulating), so a
-captured step is the same function as an eager one for any accumulation.
-
-The stream of the gradient adds: make_graphed_callables warms up and captures on a side stream and keeps the
-captured forward's outputs, autograd graph included. That graph holds the parameters' AccumulateGrad nodes,
-made on the side stream, and every later backward reuses them: the adds into .grad then run on the side stream,
-unordered with the training stream's next replay and allocations (on an H100 with torch 2.11: NaN from the
-second optimizer step with 4 microbatches, exact with 1; torch warns that "The AccumulateGrad node's stream does
-not match"). `release_capture_graph` detaches those outputs right after capture, so the next forward makes the
-nodes on the training stream, and checks that none of the capture's nodes is still alive; if one is (something
-else holds the capture's graph), a run that may train eagerly does, and `cuda_graph: true` is an error.
+Gradients: the captured backward writes the parameters' gradients into static buffers that every replay
+overwrites. Handed to autograd as they are, a parameter whose .grad is None adopts such a buffer (AccumulateGrad
+steals a tensor nobody else holds), and autograd's adds into .grad run in AccumulateGrad nodes whose stream can
+be the capture's side stream: make_graphed_callables keeps its captured forward's outputs and their graph, and
+the parameters' nodes made there are reused by every later backward (on an H100 with torch 2.11: NaN from the
+second optimizer step with 4 microbatches, exact with 1, and torch's warning that "The AccumulateGrad node's
+stream does not match"). So parameters are not inputs of the autograd node the training step sees:
+`_ReplayIntoGrad` replays the captured backward inside its own backward, on the training stream, and adds the
+static gradients into .grad itself (a copy for the first microbatch of a step, an add for the others, one
+foreach launch each). No AccumulateGrad node of a parameter runs, and a captured step is the same function as
+an eager one for any accumulation: the same adds in the same order.
 """
 
 from __future__ import annotations
@@ -108,51 +104,36 @@ def check_supported(module) -> None:
         raise RuntimeError("cuda_graph=True cannot capture this run: " + "; ".join(problems))
 
 
-class GraphGradients:
-    """Keeps parameters' .grad out of a captured graph's static gradient buffers (see the module docstring).
-
-    The buffers' addresses are learnt once, at capture, from one backward through the graphed callable. Right
-    before each captured backward (a hook on the loss), a .grad that is such a buffer, adopted by an earlier
-    backward of the same optimizer step, is copied into storage of its own, so the replay cannot overwrite it and
-    the backward adds into the copy. With one microbatch per step the optimizer has zeroed the gradients (to None)
-    by then, and nothing is copied."""
-
-    def __init__(self, graphed: Callable, sample_args: tuple, parameters) -> None:
-        self.parameters = [p for p in parameters if p.requires_grad]
-        out = graphed(*sample_args)
-        outs = out if isinstance(out, tuple) else (out,)
-        grads = torch.autograd.grad(outs, self.parameters, [torch.ones_like(o) for o in outs], allow_unused=True)
-        self.static = {g.data_ptr() for g in grads if g is not None}
-        self.copies = 0
-
-    def before_backward(self, grad: Tensor) -> Tensor:
-        """Tensor hook on the captured loss: copy every .grad that aliases a static buffer."""
-        for p in self.parameters:
-            if p.grad is not None and p.grad.data_ptr() in self.static:
-                p.grad = p.grad.clone()
-                self.copies += 1
-        return grad
+def _copies(tensors: list[Tensor]) -> list[Tensor]:
+    """New tensors holding `tensors`' values, in one foreach launch (x * 1 is exact in every float dtype)."""
+    return list(torch._foreach_mul(tensors, 1.0))
 
 
-_CAPTURE_TAG = "mhar_lit_capture"
+class _ReplayIntoGrad(torch.autograd.Function):
+    """The captured loss as one autograd node of (anchor, inputs, targets), parameters not among its inputs: its
+    backward replays the captured backward and adds the static gradients into the parameters' .grad itself
+    (see the module docstring). `anchor`, a leaf that requires grad, makes the outputs require grad; it gets
+    no gradient."""
 
+    @staticmethod
+    def forward(ctx, graphs: "GraphedLoss", anchor: Tensor, inputs: Tensor, targets: Tensor):
+        ctx.set_materialize_grads(False)
+        with torch.enable_grad():
+            out = graphs.graphed(inputs, targets)
+        ctx.graphs, ctx.outputs = graphs, (out if isinstance(out, tuple) else (out,))
+        return tuple(o.detach() for o in ctx.outputs)
 
-def _accumulator(parameter: Tensor):
-    """The parameter's AccumulateGrad node: the live one if a graph holds it, else a new one on this stream."""
-    with torch.enable_grad():
-        return parameter.expand_as(parameter).grad_fn.next_functions[0][0]
-
-
-def release_capture_graph(captured_outputs: tuple, parameters) -> bool:
-    """Free the autograd graph of the captured forward's outputs (see the module docstring); True when none of
-    the parameters' AccumulateGrad nodes of that time is still alive, so that backward makes them anew."""
-    parameters = [p for p in parameters if p.requires_grad]
-    for p in parameters:
-        _accumulator(p).metadata[_CAPTURE_TAG] = True  # the node is the capture's while that graph lives
-    for output in captured_outputs:
-        if output.grad_fn is not None:
-            output.detach_()
-    return not any(_CAPTURE_TAG in _accumulator(p).metadata for p in parameters)
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        pairs = [(o, g) for o, g in zip(ctx.outputs, grads) if g is not None and o.requires_grad]
+        ctx.outputs = ()
+        if pairs:
+            graphs = ctx.graphs
+            static = torch.autograd.grad([o for o, _ in pairs], graphs.parameters, [g for _, g in pairs],
+                                         allow_unused=True)
+            graphs.accumulate(static)
+        return None, None, None, None
 
 
 class GraphedLoss:
@@ -166,7 +147,8 @@ class GraphedLoss:
         self.required = required
         self.shape: Optional[torch.Size] = None
         self.graphed: Optional[Callable] = None
-        self.gradients: Optional[GraphGradients] = None
+        self.parameters: list[Tensor] = []
+        self.anchor: Optional[Tensor] = None
         self.eager_batches = 0
         self.decision: Optional[bool] = None
 
@@ -182,42 +164,44 @@ class GraphedLoss:
     def __call__(self, module, batch: Tensor) -> tuple[Tensor, Tensor]:
         inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         if self.graphed is None:
-            check_supported(module)
-            loss_module = _LossModule(module.model, module.hparams.z_loss, module.hparams.get("fused_loss", False))
-            with _capture_autocast(module):
-                # allow_unused_input: a parameter the loss does not reach gets no gradient, as in eager mode
-                loss_module.keep_outputs = True
-                self.graphed = torch.cuda.make_graphed_callables(loss_module, (inputs, targets),
-                                                                 allow_unused_input=True)
-                loss_module.keep_outputs = False
-                released = release_capture_graph(loss_module.kept, module.model.parameters())
-                loss_module.kept = ()
-                if not released:
-                    return self._give_up(module, batch)
-                self.gradients = GraphGradients(self.graphed, (inputs, targets), module.model.parameters())
-            self.shape = inputs.shape
+            self._capture(module, inputs, targets)
         if inputs.shape != self.shape:
             if self.eager_batches == 0:
                 warnings.warn(f"cuda_graph: a training batch of shape {tuple(batch.shape)} differs from the "
                               f"captured {(self.shape[0], self.shape[1] + 1)}; such batches run eagerly")
             self.eager_batches += 1
             return module._loss(batch)[:2]
-        out = self.graphed(inputs, targets)  # static output buffers: callers copy what they keep
-        ce, z = out if isinstance(out, tuple) else (out, None)
-        ce.register_hook(self.gradients.before_backward)
+        # static output buffers: callers copy what they keep
+        out = _ReplayIntoGrad.apply(self, self.anchor, inputs, targets)
+        ce, z = out if len(out) == 2 else (out[0], None)
         return ce, (z if z is not None else ce.new_zeros(()))
 
+    def _capture(self, module, inputs: Tensor, targets: Tensor) -> None:
+        check_supported(module)
+        loss_module = _LossModule(module.model, module.hparams.z_loss, module.hparams.get("fused_loss", False))
+        with _capture_autocast(module):
+            # allow_unused_input: a parameter the loss does not reach gets no gradient, as in eager mode
+            loss_module.keep_outputs = True
+            self.graphed = torch.cuda.make_graphed_callables(loss_module, (inputs, targets), allow_unused_input=True)
+        loss_module.keep_outputs = False
+        # Free the captured forward's autograd graph: its parameters' AccumulateGrad nodes were made on the
+        # capture stream, and torch warns of a stream mismatch whenever a backward reaches them.
+        for output in loss_module.kept:
+            output.detach_()
+        loss_module.kept = ()
+        self.parameters = [p for p in module.model.parameters() if p.requires_grad]
+        self.anchor = torch.zeros((), device=inputs.device, requires_grad=True)
+        self.shape = inputs.shape
 
-    def _give_up(self, module, batch: Tensor) -> tuple[Tensor, Tensor]:
-        """The capture's graph outlived release_capture_graph: its gradient adds would run on the capture's
-        stream. Train eagerly (or refuse, under cuda_graph: true)."""
-        reason = ("the captured forward's autograd graph is still held after capture, so gradients would be "
-                  "added on the capture stream")
-        if self.required:
-            raise RuntimeError(f"cuda_graph=True cannot capture this run: {reason}")
-        self.graphed, self.decision = None, False
-        _announce(module, "eager: " + reason)
-        return module._loss(batch)[:2]
+    def accumulate(self, static: tuple[Optional[Tensor], ...]) -> None:
+        """Add one captured backward's static gradients into .grad: a copy where .grad is None (the first
+        microbatch of a step), an add elsewhere, as AccumulateGrad would do, on the current stream."""
+        fresh = [(p, g) for p, g in zip(self.parameters, static) if g is not None and p.grad is None]
+        summed = [(p, g) for p, g in zip(self.parameters, static) if g is not None and p.grad is not None]
+        if summed:
+            torch._foreach_add_([p.grad for p, _ in summed], [g for _, g in summed])
+        for (p, _), copy in zip(fresh, _copies([g for _, g in fresh]) if fresh else []):
+            p.grad = copy
 
 
 def _announce(module, path: str) -> None:

@@ -93,7 +93,7 @@ time.sleep(600)
 
 
 def start_staging_owner(folder):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder)], stdout=subprocess.PIPE, env=env, text=True)
     assert proc.stdout.readline().strip() == "ready"
     return proc
