@@ -7,6 +7,8 @@
 # The JSON is rewritten after every case (to $OUT too), so a call killed at its limit still returns what was
 # answered; the device call's limit is the device time left, which can be under timeout_s: keep BUDGET_S
 # (default 540) at least 40 s under it, and do not pipe the output through `tail` (a killed pipe prints nothing).
+# A run that stops at its budget keeps its report in /tmp/gpu_acceptance: the same command again on the warm
+# machine carries over what passed at this commit and runs only the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl > /dev/null 2>&1; then

@@ -1,0 +1,52 @@
+"""benchmarks/gpu_acceptance.py resumes on a warm machine: a later call at the same commit, device and torch carries
+over the cases an earlier call passed and runs the rest; anything else starts afresh."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_acceptance.py"
+HEADER = {"commit": "abc1234", "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "date": "2026-12-07T15:00:00",
+          "command": "benchmarks/gpu_acceptance.py"}
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_acceptance", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _earlier_call(work: Path) -> None:
+    cases = [{"name": "fit 100M baseline", "passed": True, "detail": "captured path", "seconds": 40.0},
+             {"name": "fit 100M hc", "passed": False, "detail": "not run: the budget (--budget-s) was spent",
+              "seconds": 0.0}]
+    (work / "acceptance.json").write_text(json.dumps({**HEADER, "complete": True, "passed": False, "cases": cases}))
+
+
+def test_a_later_call_carries_the_passed_cases_and_runs_the_rest(tmp_path):
+    script = _script()
+    _earlier_call(tmp_path)
+    later = {**HEADER, "date": "2026-12-07T15:10:00"}
+    acc = script.Acceptance(str(tmp_path), 100, later, [str(tmp_path / "report.json")])
+    ran = []
+    acc.run = lambda cmd, timeout, log, env=None: (ran.append(cmd), (0, "training steps: captured (CUDA graphs)\n"
+                                                                    "  train/loss 5.5   1,000 tokens/s", 1.0))[1]
+    script.fit_case(acc, "100M", "baseline")
+    script.fit_case(acc, "100M", "hc")
+    assert len(ran) == 1 and "configs/methods/hc.yaml" in ran[0]
+    report = acc.write(complete=True)
+    assert report["passed"] and [c["name"] for c in report["cases"]] == ["fit 100M baseline", "fit 100M hc"]
+    assert report["cases"][0]["carried_from"] == HEADER["date"] and "carried_from" not in report["cases"][1]
+    kept = json.loads((tmp_path / "acceptance.json").read_text())  # a third call would carry both
+    assert [c["name"] for c in kept["cases"] if c["passed"]] == ["fit 100M baseline", "fit 100M hc"]
+    third = script.Acceptance(str(tmp_path), 100, {**HEADER, "date": "2026-12-07T15:20:00"}, [])
+    assert third.earlier["fit 100M baseline"]["carried_from"] == HEADER["date"]
+
+
+def test_another_commit_or_device_carries_nothing(tmp_path):
+    script = _script()
+    _earlier_call(tmp_path)
+    for change in ({"commit": "def5678"}, {"device": "NVIDIA H200"}, {"torch": "2.12.0"}, {"commit": "unknown"}):
+        assert script.Acceptance(str(tmp_path), 100, {**HEADER, **change}, []).earlier == {}
+    assert script.Acceptance(str(tmp_path / "absent"), 100, HEADER, []).earlier == {}
