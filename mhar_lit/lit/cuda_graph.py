@@ -184,8 +184,10 @@ class GraphedLoss:
             loss_module.keep_outputs = True
             self.graphed = torch.cuda.make_graphed_callables(loss_module, (inputs, targets), allow_unused_input=True)
         loss_module.keep_outputs = False
-        # Free the captured forward's autograd graph: its parameters' AccumulateGrad nodes were made on the
-        # capture stream, and torch warns of a stream mismatch whenever a backward reaches them.
+        # Free the captured forward's autograd graph, whose parameters' AccumulateGrad nodes were made on the
+        # capture stream. With torch 2.11 backward still reaches such nodes (something else keeps them alive) and
+        # torch warns once per process that their stream does not match; harmless here: _ReplayIntoGrad reaches
+        # them only as autograd.grad's captured inputs, so no add runs in them.
         for output in loss_module.kept:
             output.detach_()
         loss_module.kept = ()
