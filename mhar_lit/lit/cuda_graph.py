@@ -35,6 +35,8 @@ stream does not match"). So parameters are not inputs of the autograd node the t
 static gradients into .grad itself (a copy for the first microbatch of a step, an add for the others, one
 foreach launch each). No AccumulateGrad node of a parameter runs, and a captured step is the same function as
 an eager one for any accumulation: the same adds in the same order.
+Since no parameter's AccumulateGrad node runs, a parameter's post-accumulate-grad hooks do not fire on this path
+(nothing here uses them; a run that needs them trains with `cuda_graph: false`).
 """
 
 from __future__ import annotations
