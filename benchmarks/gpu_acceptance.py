@@ -42,9 +42,9 @@ class Acceptance:
 
     def __init__(self, work: str, budget_s: float, header: dict, paths: list[str]) -> None:
         self.work, self.t0, self.budget_s, self.cases = work, time.time(), budget_s, []
-        self.header, self.paths, self.lock = header, paths, threading.Lock()
-        self.earlier = _earlier_passes(f"{work}/acceptance.json", header)
-        self.paths = paths + [f"{work}/acceptance.json"]
+        kept = f"{work}/acceptance.json"  # what a later call on this machine carries over
+        self.header, self.paths, self.lock = header, paths + [kept], threading.Lock()
+        self.earlier = _earlier_passes(kept, header)
 
     def carried(self, name: str) -> bool:
         """True (and the case taken into this report) if an earlier call at this commit and device passed it."""

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from datatest_helpers import DOCS, byte_stream, read_tokens, write_jsonl
+from subprocess_env import python_path
 
 from mhar_lit.data import integrity
 from mhar_lit.data.prepare import prepare
@@ -93,7 +94,7 @@ time.sleep(600)
 
 
 def start_staging_owner(folder):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder)], stdout=subprocess.PIPE, env=env, text=True)
     assert proc.stdout.readline().strip() == "ready"
     return proc
