@@ -83,12 +83,28 @@ class Acceptance:
             return 124, "not run: the budget (--budget-s) was spent", 0.0
         timeout = max(5.0, min(timeout, self.left()))
         with open(log, "w") as fh:
-            try:
-                rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
-                                    env={**os.environ, **(env or {})}).returncode
-            except subprocess.TimeoutExpired:
-                rc = 124
+            rc = _run_logged(cmd, fh, timeout, {**os.environ, **(env or {})})
         return rc, open(log, errors="replace").read(), time.time() - start
+
+
+TIME_PREFIX = re.compile(r"^\[\s*[0-9.]+s\] ")
+
+
+def _run_logged(cmd: list[str], fh, timeout: float, env: dict) -> int:
+    """Runs cmd with every output line written to fh behind its time since the start (`[  12.3s] `), so that a
+    log shows where a case's seconds went; 124 if it passes timeout (the process is killed)."""
+    start = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            text=True, errors="replace", bufsize=1)
+    killer = threading.Timer(timeout, proc.kill)
+    killer.start()
+    try:
+        for line in proc.stdout:
+            fh.write(f"[{time.time() - start:6.1f}s] {line}")
+        rc = proc.wait()
+    finally:
+        killer.cancel()
+    return 124 if rc < 0 and time.time() - start >= timeout else rc
 
 
 def _earlier_passes(path: str, header: dict) -> dict:
@@ -209,10 +225,12 @@ def gpu_tests(acc: Acceptance, name: str) -> None:
         return
     files, env = GPU_TEST_GROUPS[name]
     # no cap of its own but the budget: beside the fits, the routing matrix was 89% done at 300 s (H100, 2026-12-07)
-    rc, log, secs = acc.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], 600,
+    rc, log, secs = acc.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=30",
+                             *files], 600,
                             f"{acc.work}/{name.split(':')[1].strip().replace(' ', '_')}.log", env)
-    failed = [line for line in log.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    acc.add(name, rc == 0, "\n".join(failed + log.strip().splitlines()[-1:]), secs)
+    lines = [TIME_PREFIX.sub("", line) for line in log.strip().splitlines()]
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    acc.add(name, rc == 0, "\n".join(failed + lines[-1:]), secs)
 
 
 def main() -> None:

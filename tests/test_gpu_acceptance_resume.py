@@ -3,6 +3,7 @@ over the cases an earlier call passed and runs the rest; anything else starts af
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_acceptance.py"
@@ -50,3 +51,18 @@ def test_another_commit_or_device_carries_nothing(tmp_path):
     for change in ({"commit": "def5678"}, {"device": "NVIDIA H200"}, {"torch": "2.12.0"}, {"commit": "unknown"}):
         assert script.Acceptance(str(tmp_path), 100, {**HEADER, **change}, []).earlier == {}
     assert script.Acceptance(str(tmp_path / "absent"), 100, HEADER, []).earlier == {}
+
+
+def test_case_logs_carry_each_line_s_time_and_a_case_past_its_time_is_killed(tmp_path):
+    script = _script()
+    acc = script.Acceptance(str(tmp_path), 100, HEADER, [str(tmp_path / "report.json")])
+    rc, log, _ = acc.run([sys.executable, "-c", "print('FAILED tests/x.py::a'); print('1 failed')"], 30,
+                         str(tmp_path / "a.log"))
+    assert rc == 0 and all(script.TIME_PREFIX.match(line) for line in log.splitlines())
+    script.GPU_TEST_GROUPS["tests: a group"] = (["tests/x.py"], {})
+    acc.run = lambda cmd, timeout, log_path, env=None: (1, log, 1.0)
+    script.gpu_tests(acc, "tests: a group")
+    assert acc.cases[-1]["detail"] == "FAILED tests/x.py::a\n1 failed"  # found behind the time prefix
+    acc = script.Acceptance(str(tmp_path), 100, HEADER, [])
+    rc, _, seconds = acc.run([sys.executable, "-c", "import time; time.sleep(30)"], 1, str(tmp_path / "b.log"))
+    assert rc == 124 and seconds < 20
