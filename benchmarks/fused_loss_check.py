@@ -3,7 +3,7 @@
     python benchmarks/fused_loss_check.py [--sizes 100M 350M 1B] [--iters 10] [--time-budget 120] [--out F.json]
     python benchmarks/fused_loss_check.py --device cpu --sizes tiny --iters 1     (a CPU check, Triton's interpreter)
 
-Per size (the LM head of configs/paper/SIZE/baseline.yaml: d, vocabulary 151,936, micro-batch x sequence tokens
+Per size (the LM head of configs/paper/SIZE.yaml: d, vocabulary 151,936, micro-batch x sequence tokens
 of hidden states) and per precision, "bf16-true" (bf16 weight) and "bf16-mixed" (fp32 weight under bf16
 autocast), with z-loss 1e-4:
 - numerics: loss and the gradients of the hidden states and of the weight, fused against plain (relative to
@@ -52,13 +52,13 @@ def fused(hidden, weight, targets):
 
 
 def shape_of(size: str) -> tuple[int, int, int]:
-    """(tokens per micro-batch, d, vocabulary) of the shipped baseline recipe; tiny: a CPU check."""
+    """(tokens per micro-batch, d, vocabulary) of the shipped recipe (configs/paper/SIZE.yaml); tiny: a CPU check."""
     if size == "tiny":
         cfg = ModelConfig.from_name("tiny")
         return 64, cfg.hidden_size, cfg.vocab_size
     import yaml
 
-    config = yaml.safe_load((ROOT / "configs" / "paper" / size / "baseline.yaml").read_text())
+    config = yaml.safe_load((ROOT / "configs" / "paper" / f"{size}.yaml").read_text())
     cfg = ModelConfig.from_name(config["model"]["size"], **(config["model"].get("model_overrides") or {}))
     return config["data"]["batch_size"] * config["data"]["seq_len"], cfg.hidden_size, cfg.vocab_size
 

@@ -202,6 +202,13 @@ def test_the_gpu_benchmarks_run_their_cpu_checks(tmp_path):
     assert variants["ours_fused"]["first_loss"] == pytest.approx(variants["ours"]["first_loss"], rel=1e-5)
 
 
+def test_the_fused_loss_check_reads_the_shipped_recipes_shapes():
+    """The GPU check times the LM head of each paper recipe: its micro-batch tokens, width and vocabulary."""
+    check = _load_benchmark("fused_loss_check")
+    assert check.shape_of("100M") == (8 * 2048, 512, 151936)
+    assert check.shape_of("350M") == (4 * 1024, 1024, 151936) and check.shape_of("1B") == (2 * 1024, 1280, 151936)
+
+
 def test_fused_loss_with_fsdp_is_refused():
     """FSDP gathers the LM head's weight for its forward only; the fused loss reads it outside, so it is refused."""
     from types import SimpleNamespace
