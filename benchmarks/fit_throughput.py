@@ -400,15 +400,18 @@ def add_peer(summary: dict[str, dict], peer: dict) -> None:
 
 
 def merge_reports(paths: list[str], peer_path: Optional[str]) -> dict:
-    """One report from several of the same device and commit (one size each): labels, fits, shapes, summary."""
+    """One report from several of the same device and measured code (one size each): labels, fits, shapes,
+    summary. Reports of different commits join only when their source digests (package, configs, this script)
+    are equal: commits that changed other files measured the same code; `commits` lists them."""
     reports = [json.loads(Path(p).read_text()) for p in paths]
-    for key in ("device", "commit"):
+    code = "source_digest" if all(r.get("source_digest") for r in reports) else "commit"
+    for key in ("device", code):
         values = {r.get(key) for r in reports}
         if len(values) > 1:
             raise SystemExit(f"--merge: the reports differ in {key}: {sorted(map(str, values))}")
     merged = {k: v for k, v in reports[0].items() if k not in ("fits", "shapes", "labels", "summary", "stopped")}
-    merged.update(merged_from=paths, fits=[], shapes={}, labels={}, summary={},
-                  stopped=[r["stopped"] for r in reports if r.get("stopped")])
+    merged.update(merged_from=paths, commits=sorted({str(r.get("commit")) for r in reports}), fits=[], shapes={},
+                  labels={}, summary={}, stopped=[r["stopped"] for r in reports if r.get("stopped")])
     for report in reports:
         twice = set(report["labels"]) & set(merged["labels"])
         if twice:

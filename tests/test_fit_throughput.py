@@ -133,7 +133,7 @@ def test_summary_has_the_issue_format_with_ratios_per_variant():
 
 def test_merge_joins_sizes_and_adds_the_peer(tmp_path):
     """--merge: reports of one device become one (summary per size), --peer adds litgpt's compiled step against
-    our baseline; reports of different devices are refused."""
+    our baseline; reports of different devices, or of different code, are refused."""
     ft = load_script()
     paths = []
     for size, speed in (("100M", 100.0), ("1B", 20.0)):
@@ -155,6 +155,15 @@ def test_merge_joins_sizes_and_adds_the_peer(tmp_path):
     litgpt = merged["summary"]["100M"]["litgpt"]
     assert litgpt["tokens_per_s"] == 80.0 and litgpt["ratio_vs_baseline"] == pytest.approx(0.8)
     other = json.loads(paths[1].read_text())
+    paths[1].write_text(json.dumps(dict(other, commit="def")))  # another commit, no digest: refused
+    with pytest.raises(SystemExit, match="differ in commit"):
+        ft.main(["--merge", *map(str, paths), "--out", str(out)])
+    for path, commit in zip(paths, ("abc", "def")):  # another commit of the same measured code: joined
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), commit=commit, source_digest="d1")))
+    assert ft.main(["--merge", *map(str, paths), "--out", str(out)])["commits"] == ["abc", "def"]
+    paths[1].write_text(json.dumps(dict(json.loads(paths[1].read_text()), source_digest="d2")))
+    with pytest.raises(SystemExit, match="differ in source_digest"):
+        ft.main(["--merge", *map(str, paths), "--out", str(out)])
     paths[1].write_text(json.dumps(dict(other, device="GPU Y")))
     with pytest.raises(SystemExit, match="differ in device"):
         ft.main(["--merge", *map(str, paths), "--out", str(out)])
