@@ -87,7 +87,9 @@ fi
 
 if (( PEER )); then
   # the comparison first (eager litgpt, our eager and captured steps), then litgpt as its pretrain runs it (compiled)
-  timeout -k 5 "$(left 110)" python3 benchmarks/peer_step.py --sizes 100M 350M 1B --variants litgpt ours ours_graph \
+  # one variant per process: litgpt's eager step beside our captured plain-loss step ran out of memory at 100M (H100)
+  timeout -k 5 "$(left 110)" python3 benchmarks/peer_step.py --sizes 100M 350M 1B --one-per-process \
+    --variants litgpt ours ours_graph ours_graph_fused \
     --rounds 5 --steps 3 ${COMMIT:+--commit $COMMIT} --out "$OUT/peer_step.json" > "$OUT/peer_step.log" 2>&1
   echo "peer_step rc=$? at $(( $(date +%s) - T0 )) s"
   timeout -k 5 "$(left 200)" python3 benchmarks/peer_step.py --sizes 100M 350M 1B --variants litgpt_compile ours \

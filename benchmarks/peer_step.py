@@ -20,7 +20,9 @@ to bf16-mixed), the same fused AdamW (lr 5e-4, betas 0.9/0.95, weight decay 0.1)
 
 All variants of a size are resident at once and timed in interleaved rounds (each round: `steps` steps of every
 variant, CUDA events per step), after `warmup` steps each (compilation and capture happen there); medians per
-variant. MFU uses ONE FLOP count for every variant: Lightning's measure_flops of our baseline's forward +
+variant. With --one-per-process each variant runs in a child process of its own, one after the other, and the
+report joins them: at 100M on an H100, litgpt's eager step beside our captured plain-loss step (36 GiB of graph
+pools) ran out of memory. MFU uses ONE FLOP count for every variant: Lightning's measure_flops of our baseline's forward +
 backward on the meta device (it agrees with 6N + 12 L H d T to 1e-4), against get_available_flops of the card,
 or --peak-tflops where Lightning has no entry (none for "NVIDIA H200"). litgpt is imported only here, with a
 clear message when it is missing. Writes a JSON (after every size) and prints a table last.
@@ -286,12 +288,67 @@ def report_size(size: str, cfg: ModelConfig, shape: dict, trainers: list[Trainer
             "tokens_per_s": tokens / (ms / 1e3), "mfu": fpt * tokens / (ms / 1e3) / peak if peak else None,
             "parameters": counts[tr.name], "first_loss": tr.losses[0], "last_loss": tr.losses[-1],
         }
-    reference = "ours" if "ours" in variants else trainers[0].name
+    result = {"size": size, "model": cfg.to_dict(), **shape, "tokens_per_step": tokens, "flops_per_token": fpt,
+              "flops_source": "lightning measure_flops of our baseline (fwd+bwd, meta device), one count for all",
+              "peak_flops": peak, "peak_flops_source": peak_source, "variants": variants}
+    return with_reference_ratios(result)
+
+
+def with_reference_ratios(result: dict[str, Any]) -> dict[str, Any]:
+    """Every variant's tokens/s against `ours` (else the first variant), as `vs_<reference>`."""
+    variants = result["variants"]
+    reference = "ours" if "ours" in variants else next(iter(variants))
     for row in variants.values():
+        for key in [k for k in row if k.startswith("vs_")]:
+            del row[key]
         row["vs_" + reference] = row["tokens_per_s"] / variants[reference]["tokens_per_s"]
-    return {"size": size, "model": cfg.to_dict(), **shape, "tokens_per_step": tokens, "flops_per_token": fpt,
-            "flops_source": "lightning measure_flops of our baseline (fwd+bwd, meta device), one count for all",
-            "peak_flops": peak, "peak_flops_source": peak_source, "reference": reference, "variants": variants}
+    return {**result, "reference": reference}
+
+
+def join_variant_reports(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The sizes of one-variant reports (children of --one-per-process) as one list, the variants of a size side by
+    side; refuses variants of one size whose parameter counts differ (their shapes would not match)."""
+    sizes: dict[str, dict[str, Any]] = {}
+    for report in reports:
+        for result in report["sizes"]:
+            joined = sizes.setdefault(result["size"], {**result, "variants": {}})
+            joined.update({k: v for k, v in result.items() if k not in joined})  # litgpt's logit check, if any
+            joined["variants"].update(result["variants"])
+    for size, result in sizes.items():
+        counts = {name: row["parameters"] for name, row in result["variants"].items()}
+        if len(set(counts.values())) > 1:
+            raise SystemExit(f"{size}: the variants' parameter counts differ ({counts}): the shapes do not match")
+    return [with_reference_ratios(result) for result in sizes.values()]
+
+
+def run_one_per_process(args, argv: list[str], out: Path) -> list[dict[str, Any]]:
+    """Each variant in a child process of its own (the same arguments, that variant only); their reports joined.
+    A child that fails is reported and left out."""
+    import subprocess
+
+    reports = []
+    for variant in args.variants:
+        child_out = out.with_name(f"{out.stem}.{variant}.json")
+        child_argv = strip_options(argv, ("--variants", "--out", "--one-per-process"))
+        cmd = [sys.executable, str(Path(__file__).resolve()), *child_argv, "--variants", variant, "--out", str(child_out)]
+        done = subprocess.run(cmd)
+        if done.returncode != 0 or not child_out.exists():
+            print(f"variant {variant}: exit {done.returncode}, left out", flush=True)
+            continue
+        reports.append(json.loads(child_out.read_text()))
+        child_out.unlink()
+    return join_variant_reports(reports)
+
+
+def strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """argv without the named options and their values (an option's values run to the next `--` argument)."""
+    kept, skipping = [], False
+    for arg in argv:
+        if arg.startswith("--"):
+            skipping = arg.split("=", 1)[0] in names
+        if not skipping:
+            kept.append(arg)
+    return kept
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, fallback_tflops: Optional[float]) -> tuple[Optional[float], str]:
@@ -348,6 +405,8 @@ def parse_args(argv: Optional[list[str]] = None):
                    help="dense peak of the card where Lightning has none (989: bf16 H100 SXM / H200)")
     p.add_argument("--out", default="peer_step.json")
     p.add_argument("--commit", help="the commit of a tree copied without its git history (recorded as stated)")
+    p.add_argument("--one-per-process", action="store_true",
+                   help="each variant in a child process of its own, one after the other (memory), one report")
     args = p.parse_args(argv)
     if min(args.rounds, args.steps) < 1 or args.warmup < 1:
         p.error("--rounds, --steps and --warmup must be >= 1")
@@ -365,6 +424,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
               "warmup": args.warmup, "sizes": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.one_per_process:
+        report["sizes"] = run_one_per_process(args, sys.argv[1:] if argv is None else list(argv), out)
+        out.write_text(json.dumps(report, indent=1))
+        print(f"\n{report['device']}, torch {report['torch']}, litgpt {report['litgpt']}, {args.dtype}; {out}")
+        print(table_text(report["sizes"]))
+        return report
     for size in args.sizes:
         report["sizes"].append(time_size(size, args, device, DTYPES[args.dtype]))
         out.write_text(json.dumps(report, indent=1))

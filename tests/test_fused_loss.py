@@ -9,6 +9,8 @@ their largest entry, 2e-8 absolute). bf16 parameters:
 both paths round the logits gradient to bf16 before the products (2^-8 relative), the plain path rounds dW once
 and the fused one per chunk: atol 2e-2 of the largest gradient entry."""
 
+import json
+import subprocess
 from pathlib import Path
 
 import lightning as L
@@ -187,7 +189,7 @@ def _load_benchmark(name):
     return module
 
 
-def test_the_gpu_benchmarks_run_their_cpu_checks(tmp_path):
+def test_the_gpu_benchmarks_run_their_cpu_checks(tmp_path, monkeypatch):
     """benchmarks/fused_loss_check.py and peer_step.py's fused variant, at the tiny shape on the CPU: the plumbing
     the GPU runs use, with the fused loss within bf16 rounding of the plain one and the same first step loss."""
     report = _load_benchmark("fused_loss_check").main(["--device", "cpu", "--sizes", "tiny", "--iters", "1",
@@ -195,11 +197,41 @@ def test_the_gpu_benchmarks_run_their_cpu_checks(tmp_path):
     assert set(report["results"]) == {"tiny bf16-true", "tiny bf16-mixed"} and not report["skipped"]
     for row in report["results"].values():
         assert max(row["fused_vs_plain"].values()) < 2e-2 and row["fused_ms"] > 0 and row["plain_ms"] > 0
-    peer = _load_benchmark("peer_step").main(["--device", "cpu", "--sizes", "tiny", "--variants", "ours", "ours_fused",
+    # each variant in a child process of its own (the GPU suite's memory-safe mode), joined into one report; the
+    # children run here in this process (a child's interpreter start would cost more than the check itself)
+    peer_step = _load_benchmark("peer_step")
+    real_run = subprocess.run
+
+    def run_child_here(cmd, **kwargs):
+        if not str(cmd[1]).endswith("peer_step.py"):
+            return real_run(cmd, **kwargs)
+        peer_step.main(cmd[2:])
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", run_child_here)
+    peer = peer_step.main(["--device", "cpu", "--sizes", "tiny", "--variants", "ours", "ours_fused",
                                               "--dtype", "fp32", "--rounds", "1", "--steps", "1", "--warmup", "1",
-                                              "--out", str(tmp_path / "peer.json")])
+                                              "--one-per-process", "--out", str(tmp_path / "peer.json")])
     variants = peer["sizes"][0]["variants"]
     assert variants["ours_fused"]["first_loss"] == pytest.approx(variants["ours"]["first_loss"], rel=1e-5)
+    assert peer["sizes"][0]["reference"] == "ours" and variants["ours"]["vs_ours"] == 1.0
+    assert json.loads((tmp_path / "peer.json").read_text())["sizes"] == peer["sizes"]
+    assert sorted(p.name for p in tmp_path.glob("peer*.json")) == ["peer.json"]  # the children's reports removed
+
+
+def test_peer_step_joins_one_variant_reports_and_refuses_different_shapes():
+    peer = _load_benchmark("peer_step")
+    row = lambda speed, params: {"tokens_per_s": speed, "parameters": params, "vs_x": 1.0}  # noqa: E731
+    children = [{"sizes": [{"size": "100M", "variants": {"litgpt": row(80.0, 10)}, "litgpt_vs_ours_logit_error": 1e-6}]},
+                {"sizes": [{"size": "100M", "variants": {"ours": row(40.0, 10)}}]}]
+    [joined] = peer.join_variant_reports(children)
+    assert joined["reference"] == "ours" and joined["litgpt_vs_ours_logit_error"] == 1e-6
+    assert joined["variants"]["litgpt"] == {"tokens_per_s": 80.0, "parameters": 10, "vs_ours": 2.0}
+    children[1]["sizes"][0]["variants"]["ours"]["parameters"] = 11
+    with pytest.raises(SystemExit, match="parameter counts differ"):
+        peer.join_variant_reports(children)
+    assert peer.strip_options(["--sizes", "100M", "1B", "--variants", "a", "b", "--one-per-process", "--rounds=2"],
+                              ("--variants", "--one-per-process")) == ["--sizes", "100M", "1B", "--rounds=2"]
 
 
 def test_the_fused_loss_check_reads_the_shipped_recipes_shapes():
