@@ -4,10 +4,11 @@ exported directory in transformers, captured against eager training under gradie
 test files. Run by benchmarks/gpu_acceptance.sh; writes benchmarks/results/gpu_acceptance.json (or --out):
 `commit`, `device`, `date`, `cases` ([{"name", "passed", "detail", "seconds"}]) and `passed`.
 
-Resuming: on an H100 the whole run takes about 630 s beside its test groups (2026-12-07), over one device
-command's 10 minutes. Every call also keeps its report in --work; a later call on the same warm machine, at the
-same commit and device, carries over the cases that passed there (marked `carried_from`, the earlier call's
-date) and runs the rest, so two calls under the limit give one complete report.
+Time: on an H100 the whole run took 500 s in one call at 3d35e56 (2026-12-07; 542 + 86 s in two calls on another
+machine the same day), close to a device command's 10 minutes. Resuming: every call also keeps its report in
+--work; a later call on the same warm machine, at the same commit and device, carries over the cases that passed
+there (marked `carried_from`, the earlier call's date) and runs the rest, so two calls under the limit give one
+complete report.
 
 Stated reductions, for the 10-minute budget: each fit runs 2 optimizer steps with the recipe's own microbatch,
 sequence length and accumulation; the corpus is the embedded standard-library source at byte level (the recipes'
