@@ -129,9 +129,7 @@ def fit_command(work: str, size: str, method: str, steps: int) -> list[str]:
             "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
             "--trainer.enable_progress_bar", "false", "--checkpoint.every_n_train_steps", str(steps),
             "--trainer.default_root_dir", f"{work}/{name}",
-            # one store for every fit, as a user's runs share the default store: a new store's schema migrations
-            # took ~9 s of each 100M fit's 42 s (H100, 2026-12-07)
-            "--trainer.logger.init_args.tracking_uri", f"sqlite:///{work}/mlflow.db",
+            "--trainer.logger.init_args.tracking_uri", f"sqlite:///{work}/{name}.db",
             *[a.format(work=work) for a in DATA]]
 
 
