@@ -44,7 +44,7 @@ ARMS_DIR = REPO / "configs/study/arms"
 ARMS = {"baseline": "configs/methods/baseline.yaml", "H1": "configs/methods/single-head.yaml",
         "H8": "configs/methods/mhar.yaml",
         **{arm: f"configs/study/arms/{arm}.yaml" for arm in
-           ("H8-heads", "H8-lr", "H1-lr", "H4-heads", "H16-heads", "H8-sqrt", "H8-fp32")}}
+           ("H8-heads", "H8-lr", "H1-lr", "H4-heads", "H16-heads", "H8-sqrt", "H8-bf16")}}
 # The runs in sets of at most four, each set side by side on one GPU in two pieces of under 10 minutes on the same
 # machine (docs/study.md), in this order: a1 holds the comparison that matters most (H8-heads against H1 and H8),
 # b1 the control and the shape in H; a2 and b2 are the second seed; x the extras.
@@ -53,7 +53,7 @@ SETS = {
     "b1": ["H8-lr:1", "H1-lr:1", "H4-heads:1", "H16-heads:1"],
     "a2": ["baseline:2", "H1:2", "H8:2", "H8-heads:2"],
     "b2": ["H8-lr:2", "H1-lr:2", "H4-heads:2", "H16-heads:2"],
-    "x": ["H8-fp32:1", "H8-sqrt:1", "H8-sqrt:2"],
+    "x": ["H8-bf16:1", "H8-sqrt:1", "H8-sqrt:2"],
 }
 EXPERIMENT = "study"
 EXPORT_METRICS = {  # exported name -> MLflow key
@@ -201,16 +201,6 @@ class StopAtDeadline(L.Callback):
             trainer.should_stop = True
 
 
-class TF32Matmuls(L.Callback):
-    """fp32 matmuls in TF32 (torch's "high" precision) for the 32-true arm: its weights and AdamW states stay fp32,
-    which is what it tests, at a speed that fits a piece (full-fp32 matmuls run at ~1/15 of bf16 on an H100)."""
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        import torch
-
-        torch.set_float32_matmul_precision("high")
-
-
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -269,8 +259,6 @@ def fit_command(run_dir: Path, identity: dict[str, Any], deadline: float, cache_
     """The run's `fit`; the arm's name is its MLflow run name and `study_arm` tag (the strategy's method label
     need not tell the arms apart)."""
     callbacks = [{"class_path": "benchmarks.study.StopAtDeadline", "init_args": {"deadline": deadline}}]
-    if identity["precision"].startswith("32"):
-        callbacks.append({"class_path": "benchmarks.study.TF32Matmuls"})
     name = f"{identity['arm']}-s{identity['seed']}"
     return [
         sys.executable, "-m", "mhar_lit", "fit",

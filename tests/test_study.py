@@ -19,7 +19,7 @@ ARM_OPTIONS = {
     "H8-heads": (8, "heads", 1.0, "32-true"), "H4-heads": (4, "heads", 1.0, "32-true"),
     "H16-heads": (16, "heads", 1.0, "32-true"), "H8-lr": (8, None, 8.0, "32-true"),
     "H1-lr": (1, None, 8.0, "32-true"), "H8-sqrt": (8, "sqrt_heads", 1.0, "32-true"),
-    "H8-fp32": (8, None, 1.0, "32-true"),
+    "H8-bf16": (8, None, 1.0, "bf16-true"),
 }
 
 
@@ -55,7 +55,7 @@ def test_every_arm_resolves_to_its_options_and_every_set_names_known_arms(capsys
         assert (init.get("heads"), init.get("logit_scale")) == ((heads, logit_scale) if heads else (None, None)), arm
         lr = init.get("routing_lr_scale", config["model"].get("routing_lr_scale", 1.0))
         assert (lr, config["trainer"]["precision"]) == (lr_scale, precision), arm
-        assert study.arm_precision(study.DEFAULT_BASE, arm) == ("32-true" if arm == "H8-fp32" else "bf16-true")
+        assert study.arm_precision(study.DEFAULT_BASE, arm) == ("bf16-true" if arm == "H8-bf16" else "bf16-mixed")
     runs = [study.parse_run(item) for items in study.SETS.values() for item in items]
     assert all(len(items) <= 4 for items in study.SETS.values()) and len(set(runs)) == len(runs)
     main_arms = {"baseline", "H1", "H8", "H8-heads", "H8-lr", "H1-lr", "H4-heads", "H16-heads"}
@@ -63,12 +63,12 @@ def test_every_arm_resolves_to_its_options_and_every_set_names_known_arms(capsys
     assert {a for a, _ in runs} == set(ARM_OPTIONS)
 
 
-def test_dry_run_prints_each_runs_fit_with_its_arm_tag_and_tf32_for_fp32(tmp_path, capsys):
+def test_dry_run_prints_each_runs_fit_with_its_arm_tag(tmp_path, capsys):
     assert study.main(["piece", "x", "--dry-run", "--out", str(tmp_path), "--root", str(tmp_path / "r")]) == 0
     lines = capsys.readouterr().out.splitlines()
     fits = [line for line in lines if " -m mhar_lit fit " in line]
     assert len(fits) == 3 and not (tmp_path / "r").exists()  # nothing built, nothing run
-    assert '"study_arm": "H8-fp32"' in fits[0] and "TF32Matmuls" in fits[0] and "TF32Matmuls" not in fits[1]
+    assert '"study_arm": "H8-bf16"' in fits[0] and "configs/study/arms/H8-bf16.yaml" in fits[0]
     assert "--seed_everything 2" in fits[2] and "configs/study/arms/H8-sqrt.yaml" in fits[2]
     with pytest.raises(SystemExit, match="no set 'zz'"):
         study.main(["piece", "zz", "--dry-run", "--out", str(tmp_path)])
@@ -84,8 +84,6 @@ def _fit_uninterrupted_in_this_process(root: Path, corpus: Path, runs: list[tupl
     import contextlib
     import time
 
-    import torch
-
     from mhar_lit.cli import build_cli
 
     manifest = study.build_corpus(corpus, max_bytes=study.TINY_CORPUS_BYTES)  # built by the pieces: read here
@@ -93,12 +91,8 @@ def _fit_uninterrupted_in_this_process(root: Path, corpus: Path, runs: list[tupl
         identity = study.run_identity(study.TINY_BASE.resolve(), arm, seed, corpus, manifest, [])
         run_dir, _ = study.prepare_run_dir(root, identity)
         command = study.fit_command(run_dir, identity, time.time() + 3600, root / "data_cache", None)
-        matmul_precision = torch.get_float32_matmul_precision()  # the fp32 arms' TF32Matmuls sets it for the fit
-        try:
-            with contextlib.chdir(run_dir):
-                build_cli(command[command.index("fit"):])
-        finally:
-            torch.set_float32_matmul_precision(matmul_precision)
+        with contextlib.chdir(run_dir):
+            build_cli(command[command.index("fit"):])
 
 
 @pytest.mark.slow
