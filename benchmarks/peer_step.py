@@ -15,6 +15,8 @@ to bf16-mixed), the same fused AdamW (lr 5e-4, betas 0.9/0.95, weight decay 0.1)
 - ours: LanguageModel's loss (cross-entropy of the fp32-cast logits), backward, clip, step, zero_grad.
   ours_graph: forward and backward captured as CUDA graphs (torch.cuda.make_graphed_callables), the
   `model.cuda_graph: true` path; ours_compile: `model.compile()`, the `model.compile: true` path.
+  ours_graph_compile(_fused): `model.compile()`, then captured (inductor's fused kernels replayed from the
+  graphs): what compiling the sublayers inside the captured step would gain; the package refuses the pair today.
   ours_fused / ours_graph_fused: ours / ours_graph with the `model.fused_loss: true` loss (the LM head and the
   cross-entropy chunk by chunk, mhar_lit.kernels.linear_cross_entropy; needs liger-kernel).
 
@@ -51,7 +53,8 @@ from benchmarks.provenance import git_state  # noqa: E402
 from mhar_lit import DecoderLM, ModelConfig  # noqa: E402
 from mhar_lit.residual import StandardResidual  # noqa: E402
 
-VARIANTS = ("litgpt", "litgpt_compile", "ours", "ours_compile", "ours_graph", "ours_fused", "ours_graph_fused")
+VARIANTS = ("litgpt", "litgpt_compile", "ours", "ours_compile", "ours_graph", "ours_fused", "ours_graph_fused",
+            "ours_graph_compile", "ours_graph_compile_fused")
 TINY_SHAPE = {"micro_batch": 2, "seq_len": 64, "model_overrides": {}}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -211,7 +214,7 @@ def build(variant: str, cfg: ModelConfig, device: torch.device, dtype: torch.dty
 
 def wrap_ours(model: DecoderLM, variant: str, sample: torch.Tensor) -> tuple[torch.nn.Module, Callable]:
     fused = variant.endswith("_fused")
-    if variant == "ours_compile":
+    if "_compile" in variant:  # in place (DecoderLM.compile), before any capture
         model.compile()
     if not variant.startswith("ours_graph"):
         return model, ours_loss(model, fused)
