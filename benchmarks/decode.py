@@ -3,6 +3,7 @@
     python benchmarks/decode.py --budget-s 540                      the full grid on CUDA, bf16, until the budget
     python benchmarks/decode.py --models qwen3-0.6b-delta-h8 --batches 1 --prompts 128 --new-tokens 128
     python benchmarks/decode.py --dry-run --out /tmp/decode.json    tiny shapes on the CPU (the test runs this)
+    python benchmarks/decode.py --compile-step ...                   an experiment: our step compiled, then captured
 
 Models (random weights, built from configs, nothing downloaded):
 - `qwen3-0.6b-delta-h8`: a Qwen3-0.6B-shaped transformers model (28 layers, d 1024, 16 / 8 heads, vocabulary
@@ -174,12 +175,22 @@ def peer_call(model: torch.nn.Module, ids: torch.Tensor, new: int, compiled: boo
     return call
 
 
-def same_tokens_as_eager(model: torch.nn.Module, mode: str, batch: int = 2, prompt: int = 16, new: int = 16) -> bool:
-    """Whether `mode` generates the eager reference loop's greedy tokens (left-padded rows of two lengths)."""
+def check_tokens(model: torch.nn.Module, mode: str, batch: int = 2, prompt: int = 16, new: int = 16) -> list:
+    """Greedy tokens of `mode` on left-padded rows of two lengths: the check of every mode against the eager loop."""
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, model.config.vocab_size, (prompt - 5 * row,), generator=gen).tolist()
                for row in range(batch)]
-    return generate(model, prompts, new, mode=mode) == generate(model, prompts, new, mode="eager")
+    return generate(model, prompts, new, mode=mode)
+
+
+def compile_decode_step() -> None:
+    """An experiment, not a mode of `generate`: our decode step through inductor (its elementwise work fused)
+    before the CUDA graph captures it. One compile per (batch, cache length) of the grid, so the recompile limit
+    is raised: past it dynamo would fall back to the eager step without a word."""
+    from mhar_lit.generation import decoding
+
+    torch._dynamo.config.recompile_limit = 256
+    decoding.decode_step = torch.compile(decoding.decode_step, dynamic=False)
 
 
 def measure_case(contender: Contender, batch: int, prompt: int, new: int, args, peer_cache: dict) -> dict:
@@ -284,6 +295,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--peers", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled"],
                    help="which transformers columns to measure (none: ours only)")
     p.add_argument("--mode", default="auto", help="our generate's decode mode (auto: a CUDA graph on CUDA)")
+    p.add_argument("--compile-step", action="store_true",
+                   help="an experiment: our decode step compiled (inductor) before its capture; checked against "
+                        "the eager loop's tokens first")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop before a case that would end after this many seconds; write what was measured")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
@@ -308,6 +322,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     out = Path(args.out)
     report = {**environment(device, args.commit), "dtype": str(dtype).removeprefix("torch."), "mode": args.mode,
+              "compile_step": args.compile_step,
               "dry_run": args.dry_run, "reps": args.reps, "budget_s": args.budget_s,
               "grid": {"models": args.models, "batches": args.batches, "prompts": args.prompts,
                        "new_tokens": args.new_tokens, "peers": args.peers},
@@ -317,7 +332,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="decode-bench-") as workdir:
         contenders = {c.name: c for c in build_models(args.models, device, dtype, args.dry_run, Path(workdir))}
     report["setup_s"] = time.perf_counter() - start
-    report["same_tokens_as_eager_mode"] = {name: same_tokens_as_eager(c.ours, args.mode)
+    eager = {name: check_tokens(c.ours, "eager") for name, c in contenders.items()}  # before any compile
+    if args.compile_step:
+        compile_decode_step()
+    report["same_tokens_as_eager_mode"] = {name: check_tokens(c.ours, args.mode) == eager[name]
                                            for name, c in contenders.items()}
     write(out, report)
     peer_cache: dict = {}
