@@ -17,14 +17,25 @@ _XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _XDIST_WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
 
+# tests/child_site/sitecustomize.py: torchmetrics' optional torchvision, transformers and scipy integrations, ~2 s of
+# each Lightning import, off in this process and (through PYTHONPATH) in the processes tests start
+_CHILD_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_site")
+if _CHILD_SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_CHILD_SITE, os.environ.get("PYTHONPATH", "")) if p)
+
 import contextlib  # noqa: E402
 import functools  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
 import sqlite3  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+if _CHILD_SITE not in sys.path:
+    sys.path.insert(0, _CHILD_SITE)
+import sitecustomize  # noqa: E402, F401  (the same set-up in this process)
 from seeds import draw_seed  # noqa: E402
 from start_order import longest_first_chunks  # noqa: E402
 
