@@ -17,11 +17,12 @@ CHECKS = "lightning_utilities.core.imports"
 
 
 def hide_from_requirement_checks(imports_module) -> None:
-    """RequirementCache("NAME...") and package_available("NAME") are False for the HIDDEN names."""
+    """RequirementCache("NAME...") and package_available("NAME") are False for the HIDDEN names. A
+    lightning_utilities without the private method patched here is left as it is: the tests then only run slower."""
     cache = imports_module.RequirementCache
-    if getattr(cache, "_hides", None):
+    check = getattr(cache, "_check_requirement", None)
+    if getattr(cache, "_hides", None) or check is None or not hasattr(imports_module, "Requirement"):
         return
-    check = cache._check_requirement
 
     def check_hiding(self) -> None:
         check(self)
