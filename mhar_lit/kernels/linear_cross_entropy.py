@@ -38,8 +38,8 @@ def _liger_kernel():
     try:
         from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
     except ImportError as err:
-        raise ImportError("model.fused_loss needs liger-kernel: pip install 'mhar_lit[fused]' "
-                          f"(or liger-kernel==0.8.5) ({err})") from err
+        raise ImportError("model.fused_loss needs liger-kernel: pip install liger-kernel==0.8.5 "
+                          f"(a dependency of mhar_lit) ({err})") from err
     return liger_cross_entropy_kernel
 
 
