@@ -283,3 +283,44 @@ def test_cached_decoding_with_fused_ops_gives_the_same_greedy_tokens(strategy):
     expected = generate(plain, prompts, 6, mode="eager")
     assert generate(fused, prompts, 6, mode="eager") == expected
     assert generate(fused, prompts, 6, mode="device") == expected
+
+
+# ------------------------------------------------------------------------------------------------- the benchmarks
+def _load_benchmark(name, monkeypatch):
+    """A script of benchmarks/ as a module, registered for the test's duration (its dataclasses look it up)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peer_step_times_the_fused_ops_variants(tmp_path, monkeypatch):
+    """peer_step.py's eager fused-ops variant at the tiny shape (the captured one needs CUDA): the same first step
+    loss as the fused-loss variant without fused ops; the captured variant switches the ops on before capture."""
+    peer_step = _load_benchmark("peer_step", monkeypatch)
+    assert {"ours_fusedops_fused", "ours_graph_fusedops_fused"} <= set(peer_step.VARIANTS)
+    report = peer_step.main(["--device", "cpu", "--sizes", "tiny", "--variants", "ours_fused", "ours_fusedops_fused",
+                             "--dtype", "fp32", "--rounds", "1", "--steps", "1", "--warmup", "1",
+                             "--out", str(tmp_path / "peer.json")])
+    variants = report["sizes"][0]["variants"]
+    assert variants["ours_fusedops_fused"]["first_loss"] == pytest.approx(variants["ours_fused"]["first_loss"],
+                                                                          rel=1e-6)
+    model = DecoderLM(ModelConfig.from_name("tiny"))
+    with pytest.raises(SystemExit, match="needs --device cuda"):
+        peer_step.wrap_ours(model, "ours_graph_fusedops_fused", torch.zeros(2, 9, dtype=torch.long))
+    assert model.fused_ops
+
+
+def test_decode_benchmark_builds_its_models_with_fused_ops(tmp_path, monkeypatch):
+    """benchmarks/decode.py --fused-ops: our models carry the switch and decode the plain models' greedy tokens."""
+    decode = _load_benchmark("decode", monkeypatch)
+    assert decode.parse_args(["--dry-run", "--fused-ops"]).fused_ops and not decode.parse_args([]).fused_ops
+    args = (["350M-standard"], torch.device("cpu"), torch.float32, True, tmp_path)
+    [fused], [plain] = decode.build_models(*args, fused_ops=True), decode.build_models(*args)
+    assert fused.ours.fused_ops and not plain.ours.fused_ops
+    assert decode.check_tokens(fused.ours, "device", new=6) == decode.check_tokens(plain.ours, "eager", new=6)
