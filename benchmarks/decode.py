@@ -4,6 +4,8 @@
     python benchmarks/decode.py --models qwen3-0.6b-delta-h8 --batches 1 --prompts 128 --new-tokens 128
     python benchmarks/decode.py --dry-run --out /tmp/decode.json    tiny shapes on the CPU (the test runs this)
     python benchmarks/decode.py --compile-step ...                   an experiment: our step compiled, then captured
+    python benchmarks/decode.py --fused-ops ...                      our models with DecoderLM.fused_ops on (liger's
+                                                                     RMSNorm, RoPE and SiLU * up; CUDA only)
 
 Models (random weights, built from configs, nothing downloaded):
 - `qwen3-0.6b-delta-h8`: a Qwen3-0.6B-shaped transformers model (28 layers, d 1024, 16 / 8 heads, vocabulary
@@ -102,9 +104,10 @@ def no_eos(model):
     return model.eval()
 
 
-def build_models(names: list[str], device: torch.device, dtype: torch.dtype, tiny: bool, workdir: Path
-                 ) -> list[Contender]:
-    """Our models and their transformers peers, all resident (bf16 on an 80 GB card: ~15 GB for the grid)."""
+def build_models(names: list[str], device: torch.device, dtype: torch.dtype, tiny: bool, workdir: Path,
+                 fused_ops: bool = False) -> list[Contender]:
+    """Our models and their transformers peers, all resident (bf16 on an 80 GB card: ~15 GB for the grid).
+    fused_ops: DecoderLM.fused_ops on each of ours (the plain ops on the CPU, where liger's kernels do not run)."""
     import transformers
 
     from mhar_lit.convert import convert_hf, load_pretrained
@@ -120,6 +123,7 @@ def build_models(names: list[str], device: torch.device, dtype: torch.dtype, tin
             convert_hf(workdir / "hf", workdir / "ours", strategy="delta", heads=8 if not tiny else 4, num_blocks=4,
                        overwrite=True)
             ours = load_pretrained(workdir / "ours", device=device, dtype=dtype)
+            ours.fused_ops = fused_ops
             contenders.append(Contender(name, ours, hf, name))
             continue
         size, _, method = name.partition("-")
@@ -127,6 +131,7 @@ def build_models(names: list[str], device: torch.device, dtype: torch.dtype, tin
         residual = StandardResidual() if method == "standard" else FullAttnRes(heads=8 if not tiny else 4)
         with torch.device(device):
             ours = DecoderLM(cfg, residual).to(dtype).eval()
+            ours.fused_ops = fused_ops
             if size not in peers:
                 peers[size] = no_eos(transformers.Qwen3ForCausalLM(qwen3_like(cfg)).to(dtype))
         contenders.append(Contender(name, ours, peers[size], size))
@@ -298,6 +303,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--compile-step", action="store_true",
                    help="an experiment: our decode step compiled (inductor) before its capture; checked against "
                         "the eager loop's tokens first")
+    p.add_argument("--fused-ops", action="store_true",
+                   help="our models with DecoderLM.fused_ops on: liger-kernel's Triton RMSNorm, RoPE and SiLU * up "
+                        "(fewer kernels per decode step; the plain ops on the CPU)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop before a case that would end after this many seconds; write what was measured")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
@@ -322,7 +330,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     out = Path(args.out)
     report = {**environment(device, args.commit), "dtype": str(dtype).removeprefix("torch."), "mode": args.mode,
-              "compile_step": args.compile_step,
+              "compile_step": args.compile_step, "fused_ops": args.fused_ops,
               "dry_run": args.dry_run, "reps": args.reps, "budget_s": args.budget_s,
               "grid": {"models": args.models, "batches": args.batches, "prompts": args.prompts,
                        "new_tokens": args.new_tokens, "peers": args.peers},
@@ -330,7 +338,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                         "static cache, CompileConfig(fullgraph=True, mode='reduce-overhead')"),
               "complete": False, "cases": []}
     with tempfile.TemporaryDirectory(prefix="decode-bench-") as workdir:
-        contenders = {c.name: c for c in build_models(args.models, device, dtype, args.dry_run, Path(workdir))}
+        contenders = {c.name: c for c in build_models(args.models, device, dtype, args.dry_run, Path(workdir),
+                                                               args.fused_ops)}
     report["setup_s"] = time.perf_counter() - start
     eager = {name: check_tokens(c.ours, "eager") for name, c in contenders.items()}  # before any compile
     if args.compile_step:

@@ -19,6 +19,9 @@ to bf16-mixed), the same fused AdamW (lr 5e-4, betas 0.9/0.95, weight decay 0.1)
   graphs): what compiling the sublayers inside the captured step would gain; the package refuses the pair today.
   ours_fused / ours_graph_fused: ours / ours_graph with the `model.fused_loss: true` loss (the LM head and the
   cross-entropy chunk by chunk, mhar_lit.kernels.linear_cross_entropy; needs liger-kernel).
+  ours_fusedops_fused / ours_graph_fusedops_fused: ours_fused / ours_graph_fused with DecoderLM.fused_ops on
+  (liger-kernel's Triton RMSNorm, RoPE and SiLU * up in place of the plain elementwise ops): what fewer kernels
+  per layer gain in the captured step.
 
 All variants of a size are resident at once and timed in interleaved rounds (each round: `steps` steps of every
 variant, CUDA events per step), after `warmup` steps each (compilation and capture happen there); medians per
@@ -54,7 +57,7 @@ from mhar_lit import DecoderLM, ModelConfig  # noqa: E402
 from mhar_lit.residual import StandardResidual  # noqa: E402
 
 VARIANTS = ("litgpt", "litgpt_compile", "ours", "ours_compile", "ours_graph", "ours_fused", "ours_graph_fused",
-            "ours_graph_compile", "ours_graph_compile_fused")
+            "ours_graph_compile", "ours_graph_compile_fused", "ours_fusedops_fused", "ours_graph_fusedops_fused")
 TINY_SHAPE = {"micro_batch": 2, "seq_len": 64, "model_overrides": {}}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -214,6 +217,7 @@ def build(variant: str, cfg: ModelConfig, device: torch.device, dtype: torch.dty
 
 def wrap_ours(model: DecoderLM, variant: str, sample: torch.Tensor) -> tuple[torch.nn.Module, Callable]:
     fused = variant.endswith("_fused")
+    model.fused_ops = "_fusedops" in variant  # before any capture: the graphs record the kernels it picks
     if "_compile" in variant:  # in place (DecoderLM.compile), before any capture
         model.compile()
     if not variant.startswith("ours_graph"):

@@ -143,3 +143,85 @@ def _patch_lang_tensor_squeezing_index(original):
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
     return patch_lang_tensor
+
+
+def fp32_float_arguments(original):
+    """The interpreter's argument conversion (`_implicit_cvt`) passing a Python float as an fp32 scalar tensor, as
+    compiled Triton types a float argument. Triton 3.8's interpreter passes the float itself, and liger-kernel's
+    RMSNorm and SwiGLU kernels then fail at `eps.to(tl.float32)` ("'float' object has no attribute 'to'"). Installed
+    by tests/test_fused_ops.py for its own tests only (other kernels' float arguments keep the interpreter's
+    behaviour)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+
+    def implicit_cvt(arg):
+        if isinstance(arg, float):
+            return tl.tensor(TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+        return original(arg)
+
+    return implicit_cvt
+
+
+def interpretable_liger_rms_norm(monkeypatch) -> None:
+    """liger-kernel's RMSNorm kernels under the interpreter: their `rsqrt` is libdevice's, a stub the compiler
+    resolves and the interpreter cannot run (it returns None); here it is triton.language's rsqrt, which the
+    interpreter computes in numpy (1 / sqrt in fp32, as torch.rsqrt on the CPU). On a GPU both are the hardware's
+    approximate reciprocal square root. Float arguments as in compiled Triton (fp32_float_arguments). Through
+    `monkeypatch`, so only the calling test sees either change."""
+    import liger_kernel.ops.rms_norm as liger_rms_norm
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def rsqrt(x):  # looked up at the call: the interpreter replaces tl.math's members during a launch
+        return tl.math.rsqrt(x)
+
+    monkeypatch.setattr(liger_rms_norm, "rsqrt", rsqrt)
+    monkeypatch.setattr(interpreter, "_implicit_cvt", fp32_float_arguments(interpreter._implicit_cvt))
+
+
+def bf16_arithmetic_as_on_a_gpu(monkeypatch) -> None:
+    """bf16 in the interpreter as a GPU computes it. Triton 3.8's interpreter stores bf16 as uint16 bit patterns
+    and then (1) does arithmetic and math on those integers (bf16 * bf16 is garbage: liger's SwiGLU forward gave
+    values of 1e34 for inputs of order 1) and (2) converts fp32 to bf16 by truncation where the compiled `.to()`
+    rounds to nearest even (a 1-ulp bias in every cast). Here a bf16 operand is widened to fp32 (exact), the
+    operation runs in fp32 and a bf16 result is rounded to nearest even by torch: the GPU's bf16 add and multiply
+    up to double rounding (a product of two bf16 values is exact in fp32, so only a sum can differ, in its last
+    bit). Through `monkeypatch`, so only the calling test sees it."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def to_fp32(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = torch.from_numpy(np.array(handle.data, copy=True).view(np.int16))
+        return TensorHandle(bits.view(torch.bfloat16).float().numpy(), tl.float32)
+
+    def to_bf16(data):
+        rounded = torch.from_numpy(np.array(data, dtype=np.float32, copy=True)).to(torch.bfloat16)
+        return TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+
+    original_binary, original_unary, original_cast = (InterpreterBuilder.binary_op, InterpreterBuilder.unary_op,
+                                                      InterpreterBuilder.cast_impl)
+
+    def binary_op(self, lhs, rhs, op):
+        if tl.bfloat16 not in (lhs.dtype.scalar, rhs.dtype.scalar):
+            return original_binary(self, lhs, rhs, op)
+        out = original_binary(self, to_fp32(lhs), to_fp32(rhs), op)
+        return to_bf16(out.data) if out.data.dtype == np.float32 else out
+
+    def unary_op(self, arg, op):
+        if arg.dtype.scalar != tl.bfloat16:
+            return original_unary(self, arg, op)
+        return to_bf16(original_unary(self, to_fp32(arg), op).data)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return to_bf16(src.data)
+        return original_cast(self, src, dst_type)
+
+    monkeypatch.setattr(InterpreterBuilder, "binary_op", binary_op)
+    monkeypatch.setattr(InterpreterBuilder, "unary_op", unary_op)
+    monkeypatch.setattr(InterpreterBuilder, "cast_impl", cast_impl)

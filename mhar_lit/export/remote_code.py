@@ -119,7 +119,8 @@ def _parse(module: str) -> tuple[Path, str, ast.Module]:
 
 # Third-party packages of the optional parts (kernels, training, tracking): a module that imports one at module
 # level is left out of an export, and lazy imports of it become `raise ImportError`.
-OPTIONAL_PACKAGES = frozenset({"triton", "lightning", "litdata", "mlflow", "jsonargparse", "torchmetrics"})
+OPTIONAL_PACKAGES = frozenset({"triton", "liger_kernel", "lightning", "litdata", "mlflow", "jsonargparse",
+                               "torchmetrics"})
 
 
 def _needs_optional_package(module: str, seen: frozenset[str] = frozenset()) -> bool:

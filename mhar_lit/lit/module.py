@@ -72,6 +72,9 @@ class LanguageModel(L.LightningModule):
         fused_loss: compute the LM head and the loss chunk by chunk with liger-kernel's cross-entropy kernel,
             never holding the fp32 logits of the whole batch (mhar_lit.kernels.linear_cross_entropy; needs the
             `fused` extra). Same loss and gradients as the plain path within rounding; captured and eager alike.
+        fused_ops: liger-kernel's Triton RMSNorm, RoPE and SiLU * up in place of the decoder's plain elementwise
+            ops on CUDA (DecoderLM.fused_ops): a few kernels where there were ~25 per layer, for the launch-bound
+            captured step. Same values to rounding (tests/test_fused_ops.py); weights and config unchanged.
         activation_checkpointing: recompute sublayers in backward. compile: torch.compile the decoder.
         cuda_graph: capture the training forward and backward as CUDA graphs at the first batch (removes the
             per-kernel host cost that makes the paper's microbatches host-bound; needs CUDA, precision
@@ -101,6 +104,7 @@ class LanguageModel(L.LightningModule):
         grad_clip: float = 1.0,
         z_loss: float = 0.0,
         fused_loss: bool = False,
+        fused_ops: bool = False,
         activation_checkpointing: bool = False,
         compile: bool = False,
         cuda_graph: Optional[bool] = None,
@@ -121,6 +125,7 @@ class LanguageModel(L.LightningModule):
         else:
             self.model = DecoderLM(self.config, residual)
         self.model.activation_checkpointing = activation_checkpointing
+        self.model.fused_ops = fused_ops
         self.val_loss = MeanMetric(nan_strategy="error")
         self.val_history: list[float] = []
         if compile and cuda_graph:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Any, Optional
 
 import torch
@@ -62,8 +63,22 @@ class _RMSNormFunction(torch.autograd.Function):
         return dx, dweight, None
 
 
+def fused_ops_apply(enabled: bool, x: Tensor) -> bool:
+    """Whether a module with fused_ops `enabled` runs liger's Triton kernel on `x` (mhar_lit.kernels.liger_ops).
+
+    Triton kernels need CUDA tensors; CPU tensors qualify too under Triton's interpreter (TRITON_INTERPRET=1),
+    which is how the tests run the fused path on the CPU. Anywhere else the plain ops run, bitwise as without
+    the switch."""
+    return enabled and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 class RMSNorm(nn.Module):
-    """g * cast(x * rsqrt(mean x^2 + eps)): statistic in fp32, cast to storage dtype before the weight (HF)."""
+    """g * cast(x * rsqrt(mean x^2 + eps)): statistic in fp32, cast to storage dtype before the weight (HF).
+
+    fused_ops (set through DecoderLM.fused_ops): liger's one-kernel RMSNorm where x and the weight share a dtype.
+    Under bf16-mixed a bf16 q/k with an fp32 gain stays plain: the plain product is fp32, liger's is x's dtype."""
+
+    fused_ops = False
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -71,6 +86,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == self.weight.dtype and fused_ops_apply(self.fused_ops, x):
+            from mhar_lit.kernels import liger_ops
+
+            return liger_ops.rms_norm(x, self.weight, self.eps)
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
@@ -131,7 +150,12 @@ def apply_rope(x_BHTD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """GQA causal self-attention, optional per-head q/k RMSNorm before RoPE, no biases, SDPA kernel."""
+    """GQA causal self-attention, optional per-head q/k RMSNorm before RoPE, no biases, SDPA kernel.
+
+    fused_ops: liger's RoPE kernel (q and k in one launch) where q, k and cos share a dtype; under bf16-mixed
+    a bf16 q against fp32 tables stays plain (the plain product is fp32, liger's would be rounded to bf16)."""
+
+    fused_ops = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -154,7 +178,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if q.dtype == k.dtype == cos.dtype and fused_ops_apply(self.fused_ops, q):
+            from mhar_lit.kernels import liger_ops
+
+            q, k = liger_ops.rope(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
@@ -164,6 +193,10 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); fused_ops: silu and the product in one liger kernel."""
+
+    fused_ops = False
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -171,7 +204,12 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate.dtype == up.dtype and fused_ops_apply(self.fused_ops, gate):
+            from mhar_lit.kernels import liger_ops
+
+            return self.down_proj(liger_ops.silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -249,6 +287,25 @@ class DecoderLM(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+
+    @property
+    def fused_ops(self) -> bool:
+        """liger-kernel's Triton RMSNorm, RoPE and SiLU * up in place of the plain ops (mhar_lit.kernels.liger_ops):
+        one kernel each instead of 9, 12 (q and k) and 2 forward, for the launch-bound captured training step and
+        decode step (counts in mhar_lit.kernels.liger_ops).
+        On CUDA tensors only (and CPU ones under Triton's interpreter, the tests); the plain ops elsewhere. Not
+        part of the config or the weights: a run-time choice, as LanguageModel's fused_ops option sets it."""
+        return all(module.fused_ops for module in self._fusable_modules())
+
+    @fused_ops.setter
+    def fused_ops(self, enabled: bool) -> None:
+        if enabled:  # fail at the switch, not at the first forward
+            from mhar_lit.kernels import liger_ops  # noqa: F401
+        for module in self._fusable_modules():
+            module.fused_ops = bool(enabled)
+
+    def _fusable_modules(self) -> list[nn.Module]:
+        return [m for m in self.modules() if isinstance(m, (RMSNorm, Attention, SwiGLU))]
 
     @property
     def activation_checkpointing(self) -> bool:
