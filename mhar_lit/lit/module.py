@@ -70,8 +70,8 @@ class LanguageModel(L.LightningModule):
         grad_clip: global-norm clipping (0 disables); the pre-clip norm is logged as train/grad_norm.
         z_loss: weight of mean(logsumexp(logits)^2) (0 disables).
         fused_loss: compute the LM head and the loss chunk by chunk with liger-kernel's cross-entropy kernel,
-            never holding the fp32 logits of the whole batch (mhar_lit.kernels.linear_cross_entropy; needs the
-            `fused` extra). Same loss and gradients as the plain path within rounding; captured and eager alike.
+            never holding the fp32 logits of the whole batch (mhar_lit.kernels.linear_cross_entropy; on in the
+            paper recipes). Same loss and gradients as the plain path within rounding; captured and eager alike.
         fused_ops: liger-kernel's Triton RMSNorm, RoPE and SiLU * up in place of the decoder's plain elementwise
             ops on CUDA (DecoderLM.fused_ops): a few kernels where there were ~25 per layer, for the launch-bound
             captured step. Same values to rounding (tests/test_fused_ops.py); weights and config unchanged.
