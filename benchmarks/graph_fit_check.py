@@ -6,7 +6,7 @@ captured parameters after the last step differ from the eager ones by at most 1e
 16-bit by at most 2x what the reversed-order eager run differs by (plus 1e-6). Writes JSON and prints a table.
 
     python benchmarks/graph_fit_check.py [--size demo] [--steps 4] [--accumulate 4] [--precision 32-true]
-                                         [--methods baseline mhar] [--out FILE]
+                                         [--methods baseline mhar] [--fused-loss] [--out FILE]
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class _StepClock(L.Callback):
 def fit(args, method: str, graph: bool, batches: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
     torch.manual_seed(0)
     residual = StandardResidual() if method == "baseline" else FullAttnRes(heads=8 if args.size != "demo" else 4)
-    module = LanguageModel(size=args.size, residual=residual, warmup_steps=1, lr=1e-3, cuda_graph=graph)
+    module = LanguageModel(size=args.size, residual=residual, warmup_steps=1, lr=1e-3, cuda_graph=graph,
+                           fused_loss=args.fused_loss)
     clock = _StepClock()
     trainer = L.Trainer(accelerator="gpu", devices=1, precision=args.precision, max_steps=args.steps,
                         accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=4)
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-true"])
     parser.add_argument("--methods", nargs="+", default=["baseline", "mhar"], choices=["baseline", "mhar"])
+    parser.add_argument("--fused-loss", action="store_true",
+                        help="model.fused_loss (the paper recipes' loss; needs liger-kernel and CUDA)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     b, t = MICROBATCH[args.size]
@@ -98,7 +101,7 @@ def main() -> None:
     report = {"benchmark": "graph_fit_check", "date": dt.datetime.now().isoformat(timespec="seconds"),
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "lightning": L.__version__,
-              "size": args.size, "precision": args.precision, "accumulate": args.accumulate, "steps": args.steps,
+              "size": args.size, "precision": args.precision, "fused_loss": args.fused_loss, "accumulate": args.accumulate, "steps": args.steps,
               "results": results, "passed": all(r["passed"] for r in results)}
     if args.out:
         with open(args.out, "w") as fh:
