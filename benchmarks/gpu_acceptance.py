@@ -215,17 +215,22 @@ def graph_checks(acc: Acceptance) -> None:
         acc.add(f"captured = eager, accumulate {accumulate}, {size} {precision}", rc == 0, "\n".join(table), secs)
 
 
-GPU_TEST_GROUPS = {
-    "tests: GPU routing matrix": (["tests/test_gpu_routing_matrix.py"], {"TRITON_INTERPRET": "0"}),
-    "tests: CUDA graph and generation": (["tests/test_cuda_graph.py", "tests/test_generation.py",
-                                          "tests/test_decode_paths.py", "tests/test_routing_backend.py"], {}),
-}
+def gpu_test_groups(memory_gib: float) -> dict[str, tuple[list[str], dict]]:
+    """The GPU test files as groups, each run in a pytest process of its own beside the fits. With over 100 GiB
+    the routing matrix runs as two processes by dtype: it is bound by Triton's compiles (each dtype its own
+    kernels), and whole it was the run's longest case (341 s on an H100, 2026-12-07); on an 80 GB card it stays
+    one process, as two would hold two sets of float64 references (~25 GiB each at the 8B shape) beside the fits."""
+    matrix, env = ["tests/test_gpu_routing_matrix.py"], {"TRITON_INTERPRET": "0"}
+    groups = ({"tests: GPU routing matrix": (matrix, env)} if memory_gib <= 100 else
+              {f"tests: GPU routing matrix {dtype}": (matrix + ["-k", dtype], env) for dtype in ("fp32", "bf16")})
+    groups["tests: CUDA graph and generation"] = (["tests/test_cuda_graph.py", "tests/test_generation.py",
+                                                   "tests/test_decode_paths.py", "tests/test_routing_backend.py"], {})
+    return groups
 
 
-def gpu_tests(acc: Acceptance, name: str) -> None:
+def gpu_tests(acc: Acceptance, name: str, files: list[str], env: dict) -> None:
     if acc.carried(name):
         return
-    files, env = GPU_TEST_GROUPS[name]
     # no cap of its own but the budget: beside the fits, the routing matrix was 89% done at 300 s (H100, 2026-12-07)
     rc, log, secs = acc.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=30",
                              *files], 600,
@@ -256,7 +261,9 @@ def main() -> None:
     acc = Acceptance(args.work, args.budget_s, header, paths)
     # the test groups are compile-bound (CPU, 16 cores there): each in a thread of its own, beside the fits (one
     # after the other they took 278 + 104 s of a 415 s run on an H100, the longest path of the run)
-    tests = [ThreadPoolExecutor(1).submit(gpu_tests, acc, name) for name in GPU_TEST_GROUPS]
+    memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    tests = [ThreadPoolExecutor(1).submit(gpu_tests, acc, name, *group)
+             for name, group in gpu_test_groups(memory_gib).items()]
     # The cases that failed before come first (so that a short budget still answers them): the corpus cache
     # the other fits share, MHAR's first-batch check, generate and export on its checkpoint, capture under
     # accumulation; then the other methods and sizes, interleaved so that fits running at once are not all of

@@ -59,10 +59,20 @@ def test_case_logs_carry_each_line_s_time_and_a_case_past_its_time_is_killed(tmp
     rc, log, _ = acc.run([sys.executable, "-c", "print('FAILED tests/x.py::a'); print('1 failed')"], 30,
                          str(tmp_path / "a.log"))
     assert rc == 0 and all(script.TIME_PREFIX.match(line) for line in log.splitlines())
-    script.GPU_TEST_GROUPS["tests: a group"] = (["tests/x.py"], {})
     acc.run = lambda cmd, timeout, log_path, env=None: (1, log, 1.0)
-    script.gpu_tests(acc, "tests: a group")
+    script.gpu_tests(acc, "tests: a group", ["tests/x.py"], {})
     assert acc.cases[-1]["detail"] == "FAILED tests/x.py::a\n1 failed"  # found behind the time prefix
     acc = script.Acceptance(str(tmp_path), 100, HEADER, [])
     rc, _, seconds = acc.run([sys.executable, "-c", "import time; time.sleep(30)"], 1, str(tmp_path / "b.log"))
     assert rc == 124 and seconds < 20
+
+
+def test_the_routing_matrix_splits_by_dtype_only_on_a_large_card():
+    """Two matrix processes hold two sets of float64 references: only where the memory is there for both."""
+    script = _script()
+    small, large = script.gpu_test_groups(80), script.gpu_test_groups(140)
+    assert [name for name in small if "matrix" in name] == ["tests: GPU routing matrix"]
+    split = {name: files for name, (files, _) in large.items() if "matrix" in name}
+    assert split == {f"tests: GPU routing matrix {d}": ["tests/test_gpu_routing_matrix.py", "-k", d]
+                     for d in ("fp32", "bf16")}
+    assert small["tests: CUDA graph and generation"] == large["tests: CUDA graph and generation"]
