@@ -76,3 +76,26 @@ def test_the_routing_matrix_splits_by_dtype_only_on_a_large_card():
     assert split == {f"tests: GPU routing matrix {d}": ["tests/test_gpu_routing_matrix.py", "-k", d]
                      for d in ("fp32", "bf16")}
     assert small["tests: CUDA graph and generation"] == large["tests: CUDA graph and generation"]
+
+
+def test_each_fit_starts_from_a_copy_of_one_migrated_mlflow_store(tmp_path):
+    """The store's tables are made once (store_template); every fit's sqlite store is a copy, which MLflow opens
+    without creating tables again and records runs in."""
+    import mlflow
+
+    script = _script()
+    acc = script.Acceptance(str(tmp_path), 100, HEADER, [])
+    acc.store_template = script.store_template(str(tmp_path))
+    assert acc.store_template and Path(acc.store_template).stat().st_size > 0
+    seen = []
+
+    def run(cmd, timeout, log_path, env=None):
+        seen.append((tmp_path / "100M-hc.db").exists())
+        return 1, "", 0.0
+    acc.run = run
+    script.fit_case(acc, "100M", "hc")
+    assert seen == [True] and not acc.cases[-1]["passed"]  # the store was there before the fit started
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / '100M-hc.db'}")
+    run = client.create_run(client.create_experiment("fit"))
+    client.log_metric(run.info.run_id, "train/loss", 1.0)
+    assert client.get_run(run.info.run_id).data.metrics == {"train/loss": 1.0}
