@@ -7,8 +7,8 @@ test files. Run by benchmarks/gpu_acceptance.sh; writes benchmarks/results/gpu_a
 Time: on an H100 the whole run took 500 s in one call at 3d35e56 (2026-12-07; 542 + 86 s in two calls on another
 machine the same day), close to a device command's 10 minutes, with the cases after the first fit one at a time
 and the routing matrix in one process. They now run two at a time (the recipes' fused loss made a fit small) and
-the matrix splits by dtype on a card with over 100 GiB: not yet timed on a GPU. Resuming: every call also keeps its report in
---work; a later call on the same warm machine, at the same commit and device, carries over the cases that passed
+the matrix splits by dtype on a card with over 100 GiB, and every fit's MLflow store is a copy of one made once:
+not yet timed on a GPU. Resuming: every call also keeps its report in --work; a later call on the same warm machine, at the same commit and device, carries over the cases that passed
 there (marked `carried_from`, the earlier call's date) and runs the rest, so two calls under the limit give one
 complete report.
 
