@@ -8,9 +8,9 @@ Time: on an H100 the whole run took 500 s in one call at 3d35e56 (2026-12-07; 54
 machine the same day), close to a device command's 10 minutes, with the cases after the first fit one at a time
 and the routing matrix in one process. They now run two at a time (the recipes' fused loss made a fit small) and
 the matrix splits by dtype on a card with over 100 GiB, and every fit's MLflow store is a copy of one made once:
-not yet timed on a GPU. Resuming: every call also keeps its report in --work; a later call on the same warm machine, at the same commit and device, carries over the cases that passed
-there (marked `carried_from`, the earlier call's date) and runs the rest, so two calls under the limit give one
-complete report.
+not yet timed on a GPU. Resuming: every call also keeps its report in --work; a later call on the same warm
+machine, at the same commit and device, carries over the cases that passed there (marked `carried_from`, the
+earlier call's date) and runs the rest, so two calls under the limit give one complete report.
 
 Stated reductions, for the 10-minute budget: each fit runs 2 optimizer steps with the recipe's own microbatch,
 sequence length and accumulation; the corpus is the embedded standard-library source at byte level (the recipes'
