@@ -123,7 +123,6 @@ def build_models(names: list[str], device: torch.device, dtype: torch.dtype, tin
             convert_hf(workdir / "hf", workdir / "ours", strategy="delta", heads=8 if not tiny else 4, num_blocks=4,
                        overwrite=True)
             ours = load_pretrained(workdir / "ours", device=device, dtype=dtype)
-            ours.fused_ops = fused_ops
             contenders.append(Contender(name, ours, hf, name))
             continue
         size, _, method = name.partition("-")
@@ -131,10 +130,11 @@ def build_models(names: list[str], device: torch.device, dtype: torch.dtype, tin
         residual = StandardResidual() if method == "standard" else FullAttnRes(heads=8 if not tiny else 4)
         with torch.device(device):
             ours = DecoderLM(cfg, residual).to(dtype).eval()
-            ours.fused_ops = fused_ops
             if size not in peers:
                 peers[size] = no_eos(transformers.Qwen3ForCausalLM(qwen3_like(cfg)).to(dtype))
         contenders.append(Contender(name, ours, peers[size], size))
+    for contender in contenders:
+        contender.ours.fused_ops = fused_ops
     return contenders
 
 

@@ -125,6 +125,11 @@ def _earlier_passes(path: str, header: dict) -> dict:
             for c in earlier.get("cases", []) if c["passed"]}
 
 
+def fit_store(work: str, size: str, method: str) -> str:
+    """The fit's own MLflow store (sqlite file)."""
+    return f"{work}/{size}-{method}.db"
+
+
 def fit_command(work: str, size: str, method: str, steps: int) -> list[str]:
     name = f"{size}-{method}"
     return [sys.executable, "-m", "mhar_lit", "fit", "--config", f"configs/paper/{size}.yaml",
@@ -133,7 +138,7 @@ def fit_command(work: str, size: str, method: str, steps: int) -> list[str]:
             "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
             "--trainer.enable_progress_bar", "false", "--checkpoint.every_n_train_steps", str(steps),
             "--trainer.default_root_dir", f"{work}/{name}",
-            "--trainer.logger.init_args.tracking_uri", f"sqlite:///{work}/{name}.db",
+            "--trainer.logger.init_args.tracking_uri", f"sqlite:///{fit_store(work, size, method)}",
             *[a.format(work=work) for a in DATA]]
 
 
@@ -162,7 +167,7 @@ def fit_case(acc: Acceptance, size: str, method: str, steps: int = 2) -> None:
     name = f"fit {size} {method}"
     if acc.carried(name):
         return
-    store = f"{acc.work}/{size}-{method}.db"
+    store = fit_store(acc.work, size, method)
     if acc.store_template and not os.path.exists(store):
         shutil.copyfile(acc.store_template, store)
     rc, log, secs = acc.run(fit_command(acc.work, size, method, steps), 240, f"{acc.work}/{size}-{method}.log")
@@ -285,14 +290,13 @@ def main() -> None:
     memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     tests = [ThreadPoolExecutor(1).submit(gpu_tests, acc, name, *group)
              for name, group in gpu_test_groups(memory_gib).items()]
-    # The cases that failed before come first (so that a short budget still answers them): the corpus cache
-    # the other fits share, MHAR's first-batch check, generate and export on its checkpoint, capture under
-    # accumulation; then the other methods and sizes, interleaved so that fits running at once are not all of
-    # the largest microbatch.
-    # After the first fit (it writes the corpus cache the others read), `parallel` at once: with the recipes'
-    # fused loss a fit holds 7-9 GiB at 100M / 350M where the plain loss held up to 46 (H200, 2026-12-06), so two
-    # fit beside the routing matrix's float64 references (~25 GiB at the 8B shape) on an 80 GB card. One after
-    # the other the cases were the run's longest path (500 s of 500 on an H100, 2026-12-07).
+    # The first fit writes the corpus cache the others read; then `parallel` cases at once (one after the other
+    # they were the run's longest path, 500 s of 500 on an H100, 2026-12-07): with the recipes' fused loss a fit
+    # holds 7-9 GiB at 100M / 350M where the plain loss held up to 46 (H200, 2026-12-06), so two fit beside the
+    # routing matrix's float64 references (~25 GiB at the 8B shape) on an 80 GB card. The cases that failed
+    # before come first (so that a short budget still answers them): MHAR's first-batch check with generate and
+    # export on its checkpoint, capture under accumulation; then the other methods and sizes, interleaved so that
+    # fits running at once are not all of the largest microbatch.
     acc.store_template = store_template(args.work)
     fit_case(acc, "100M", "baseline")
     plan = [("1B", "mhar"), ("100M", "single-head"), ("350M", "baseline"), ("100M", "block-mhar"),
