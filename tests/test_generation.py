@@ -102,6 +102,31 @@ def test_cached_decoding_equals_full_forward(name, heads, precision):
             assert err <= tol, (name, heads, row, err)
 
 
+@pytest.mark.parametrize("name,heads", [("standard", None), ("full", 8), ("delta", 8), ("hyper-dynamic", None)])
+def test_unpadded_prefill_is_the_full_forward_bitwise(name, heads):
+    """On an empty cache an unpadded prompt attends over its own tokens with the training forward's causal call,
+    so a prefill's logits are the full forward's, bit for bit, whatever room the cache has for later tokens."""
+    model = randomised_model(name, heads)
+    ids = torch.randint(0, 320, (3, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(ids)
+        for room in (11, 40):
+            assert torch.equal(model(ids, KVCache.for_model(model, 3, room)), expected), room
+
+
+@pytest.mark.parametrize("name,heads", [("standard", None), ("full", 8), ("delta", 8)])
+def test_a_prompt_fed_in_pieces_equals_the_full_forward(name, heads):
+    """Only the first call on an empty cache attends over its own tokens: a second piece of the prompt (and every
+    decode step) reads the cached columns before it."""
+    model = randomised_model(name, heads)
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(6))
+    cache = KVCache.for_model(model, 2, 16)
+    with torch.no_grad():
+        pieces = torch.cat([model(ids[:, :5], cache), model(ids[:, 5:9], cache), model(ids[:, 9:], cache)], dim=1)
+        err = (pieces - model(ids)).abs().max().item()
+    assert err <= 1e-5, err  # fp32 tolerance of the cached test above
+
+
 def test_routing_is_far_from_uniform_in_the_cached_test():
     """The randomised fp32 models above route non-uniformly (else a cache bug in routing inputs could hide)."""
     from mhar_lit.analysis import capture_sources

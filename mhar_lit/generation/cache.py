@@ -8,7 +8,7 @@ new tokens alone: their depth state is rebuilt from their embeddings at every st
 forward builds it for them.
 
 Layout: keys and values [layers, B, kv_heads, max_len, head_dim], allocated once, so a decode step has fixed
-shapes (attention always reads all max_len columns under a mask) and its bookkeeping lives in tensors
+shapes (its attention reads all max_len columns under a mask) and its bookkeeping lives in tensors
 (`write_index`, `next_position`, `key_valid`), never in Python numbers: the step compiles to one graph that
 stays valid at every position (torch.compile(fullgraph=True) with no recompilation) and can be captured in a
 CUDA graph. For the same reason nothing checks on the host that a write fits: the caller sizes the cache
@@ -17,6 +17,12 @@ CUDA graph. For the same reason nothing checks on the host that a write fits: th
 A batch of prompts of different lengths is left-padded: every row writes the same column at each step, a
 row's RoPE positions count only its real tokens (its first real token is position 0), and padded keys are
 masked. A padded query attends to itself only, so its (unused) activations stay finite.
+
+The first call on an empty cache (a prompt's prefill) attends over its own tokens only: nothing earlier is
+cached, so the max_len - T columns after them are masked anyway. Unpadded, that is the training forward's own
+call, causal SDPA with GQA (no mask: the fused causal kernel), so the prefill computes what the full forward
+computes; a left-padded batch takes the masked path below over T columns instead of max_len. Later calls
+(decode steps, or a prompt fed in pieces) attend over the whole cache, with fixed shapes.
 
 Attention over the cache (`grouped_attention`): the mask is additive (0 or -inf, in the activation dtype) and
 grouped-query heads are folded into the query length: the G query heads that share a key/value head become G
@@ -48,6 +54,8 @@ class KVCache:
         self.next_position = torch.zeros(batch, device=device, dtype=torch.long)  # RoPE position per row
         self.write_index = torch.zeros((), device=device, dtype=torch.long)  # column of the next token
         self.next_valid: Optional[Tensor] = None  # [B, T] real-token mask of the next call (None: all real)
+        self.empty = True  # nothing written yet: the next call attends over its own tokens (see the docstring)
+        self._own_tokens = False  # this call attends over its own tokens only
         self._columns: Optional[Tensor] = None
         self._mask: Optional[Tensor] = None
         self._folded: dict[int, Tensor] = {}  # this step's mask folded per group size (built once, every layer)
@@ -81,16 +89,16 @@ class KVCache:
         before = valid.long().cumsum(1) - valid.long()  # real tokens earlier in this call; pads do not count
         positions = self.next_position.unsqueeze(1) + before
         self.next_position += valid.long().sum(1)
-        keys = torch.arange(self.max_len, device=device)
-        causal = keys <= columns.unsqueeze(1)  # [count, max_len]
-        itself = keys == columns.unsqueeze(1)
-        allowed = causal & (self.key_valid.unsqueeze(1) | itself)  # [B, count, max_len]
-        bias = torch.zeros(allowed.shape, device=device, dtype=self.keys.dtype)
-        self._columns, self._mask = columns, bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+        self._columns, self._own_tokens, dtype = columns, self.empty, self.keys.dtype
+        if self.empty:  # a host sync, in a prefill only (decode steps never come here)
+            self._mask = None if bool(valid.all()) else additive_mask(valid, torch.arange(count, device=device), dtype)
+        else:
+            self._mask = additive_mask(self.key_valid, columns, dtype)
         return positions
 
     def end_step(self, count: int) -> None:
         self.write_index += count
+        self.empty = self._own_tokens = False
         self._columns = self._mask = None
         self._folded = {}
 
@@ -112,10 +120,14 @@ class LayerKV:
 
     def attend(self, q_BHTD: Tensor, k_BKTD: Tensor, v_BKTD: Tensor) -> Tensor:
         """Store this call's keys and values, then attention of the new queries over every cached column:
-        [B, heads, T, head_dim] (see grouped_attention)."""
+        [B, heads, T, head_dim] (see grouped_attention). On an empty cache, over this call's columns only."""
         keys, values = self.update(k_BKTD, v_BKTD)
-        group = q_BHTD.shape[1] // keys.shape[1]
-        return grouped_attention(q_BHTD, keys, values, self.cache.folded_mask(group))
+        cache, group = self.cache, q_BHTD.shape[1] // keys.shape[1]
+        if cache._own_tokens:
+            keys, values = k_BKTD.to(keys.dtype), v_BKTD.to(values.dtype)
+            if cache._mask is None:  # no padding: the training forward's causal call
+                return F.scaled_dot_product_attention(q_BHTD, keys, values, is_causal=True, enable_gqa=group > 1)
+        return grouped_attention(q_BHTD, keys, values, cache.folded_mask(group))
 
     def update(self, k_BHTD: Tensor, v_BHTD: Tensor) -> tuple[Tensor, Tensor]:
         """Write the new keys/values; returns all keys and values [B, kv_heads, max_len, head_dim]."""
@@ -126,6 +138,17 @@ class LayerKV:
         keys.index_copy_(2, cache._columns, k_BHTD.to(keys.dtype))
         values.index_copy_(2, cache._columns, v_BHTD.to(values.dtype))
         return keys, values
+
+
+def additive_mask(key_valid_BL: Tensor, columns_T: Tensor, dtype: torch.dtype) -> Tensor:
+    """[B, 1, T, L] in `dtype`: 0 where the query in column columns[t] may read key column l (at or before it, and
+    a real token or itself), -inf elsewhere."""
+    keys = torch.arange(key_valid_BL.shape[1], device=key_valid_BL.device)
+    causal = keys <= columns_T.unsqueeze(1)  # [T, L]
+    itself = keys == columns_T.unsqueeze(1)
+    allowed = causal & (key_valid_BL.unsqueeze(1) | itself)  # [B, T, L]
+    bias = torch.zeros(allowed.shape, device=key_valid_BL.device, dtype=dtype)
+    return bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
 def fold_mask(bias_B1TL: Tensor, group: int) -> Tensor:
