@@ -3,15 +3,17 @@
 # share of the budget so that a cut keeps what came first:
 #   1. tests/test_fused_ops_gpu.py: model.fused_ops (liger's RMSNorm, RoPE, SiLU * up) is the plain function on CUDA
 #   2. decode at 350M, batch 1 and 16, prompt 128, 128 new tokens: the CUDA-graph step plain, with --fused-ops and
-#      with --compile-step (transformers' eager and compiled generate beside it in the plain run only)
+#      with --compile-step (transformers' eager and compiled generate beside it in the plain run only); and the
+#      first token at batch 16 of prompts of 1,024 tokens (the prefill, full MHAR's routed by the Triton kernels)
 #   3. peer_step at 100M and 1B, one variant per process: our captured step with the fused loss, plus fused_ops,
 #      plus torch.compile inside the capture, and litgpt compiled as its pretrain runs it
 #   4. fit_throughput at 100M through `fit` (the recipe, fused loss): bf16-true, bf16-mixed, and fused_ops
 # From the repository root, with .whl, .whl_fused and .whl_peer carried (../shared/tools/gpu-wheels.sh .whl,
 # benchmarks/gpu_wheels_fused.sh .whl_fused, benchmarks/gpu_wheels_peer.sh .whl_peer):
 #     bash benchmarks/gpu_speed_probe.sh COMMIT [BUDGET_S]      (BUDGET_S default 540)
-# $OUT receives env.txt, fused_ops_gpu.log, decode_plain.json, decode_fusedops.json, decode_compiled.json,
-# peer.json, fit_100M.json and probe.log (every part's output). The last lines are a summary table.
+# $OUT receives env.txt, fused_ops_gpu.log, decode_plain.json, decode_long_prompt.json, decode_fusedops.json,
+# decode_compiled.json, peer.json, fit_100M.json and probe.log (every part's output); 8 files, what a device call
+# returns. The last lines are a summary table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 COMMIT=${1:?usage: bash benchmarks/gpu_speed_probe.sh COMMIT [BUDGET_S]}
@@ -32,17 +34,18 @@ timeout -k 5 "$(until_s 60)" python3 -m pytest -q -p no:cacheprovider -s tests/t
 echo "fused_ops_gpu rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$LOG"
 
 DECODE=(--models 350M-standard 350M-mhar-h8 --batches 1 16 --prompts 128 --new-tokens 128 --reps 3 --commit "$COMMIT")
-for spec in "plain:170:--peers eager compiled" "fusedops:220:--peers --fused-ops" \
-            "compiled:270:--peers --compile-step"; do
+LONG=(--batches 16 --prompts 1024 --new-tokens 16 --peers eager)  # the first token of long prompts (prefill)
+for spec in "plain:165:--peers eager compiled" "long_prompt:205:${LONG[*]}" "fusedops:245:--peers --fused-ops" \
+            "compiled:290:--peers --compile-step"; do
   IFS=: read -r name until flags <<< "$spec"
   left=$(until_s "$until")
-  # shellcheck disable=SC2086  # flags: a word list
+  # shellcheck disable=SC2086  # flags: a word list; a later --batches/--prompts/--new-tokens replaces DECODE's
   timeout -k 5 "$left" python3 benchmarks/decode.py "${DECODE[@]}" $flags --budget-s "$(( left - 10 ))" \
     --out "$OUT/decode_$name.json" >> "$LOG" 2>&1
   echo "decode $name rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$LOG"
 done
 
-timeout -k 5 "$(until_s 420)" python3 benchmarks/peer_step.py --sizes 100M 1B --one-per-process --rounds 3 --steps 3 \
+timeout -k 5 "$(until_s 430)" python3 benchmarks/peer_step.py --sizes 100M 1B --one-per-process --rounds 3 --steps 3 \
   --variants ours_graph_fused ours_graph_fusedops_fused ours_graph_compile_fused litgpt_compile \
   --commit "$COMMIT" --out "$OUT/peer.json" >> "$LOG" 2>&1
 echo "peer_step rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$LOG"

@@ -1,9 +1,10 @@
 """Incremental decoding with a KV cache: `prefill`, `decode_step` and the batched `generate` loop.
 
 Every residual strategy decodes with the same per-layer key/value cache (see mhar_lit.generation.cache for
-why): the strategy's loop runs on the new tokens only. Routing runs on the PyTorch backend while decoding
+why): the strategy's loop runs on the new tokens only. Decode steps route on the PyTorch backend
 (`decode_routing`): one token's routing is a tiny problem, and the fused kernels' shared-buffer schedules
-assume a full training forward.
+assume a full forward. A prompt's prefill is one (B x T tokens at every site): on CUDA, full mode routes it
+with the training forward's Triton kernels (`prefill_routing`).
 
 Two token loops, the same tokens (tested):
 
@@ -22,6 +23,7 @@ Two token loops, the same tokens (tested):
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
@@ -59,6 +61,36 @@ def decode_routing(model: torch.nn.Module) -> Iterator[None]:
         residual._router = DecodeFullRouter(residual.heads, residual.eps)
     elif residual.routing_mode == "call":
         residual._router = DecodeCallRouter(residual.heads, residual.eps, getattr(residual, "null", None))
+    try:
+        yield
+    finally:
+        residual.set_routing_backend(*original)
+
+
+def prefill_kernels_apply(device: torch.device) -> bool:
+    """Whether a prompt's prefill routes full mode with the training forward's Triton kernels (prefill_routing):
+    on CUDA, where Triton is installed."""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+@contextlib.contextmanager
+def prefill_routing(model: torch.nn.Module) -> Iterator[None]:
+    """Route a prompt's prefill: full mode with the training forward's Triton router where it runs
+    (prefill_kernels_apply), everything else as decode_routing; the model's routing choice is restored after it.
+
+    A prefill routes B x T tokens at each of the 2L + 1 sites. The decode router reads every earlier source at
+    every site and writes two fp32 products of them (about 20 bytes per source element and site, L^2 of them per
+    token: at 350M, batch 16 and prompt 1,024 that is ~400 GB); the kernels read the older sources once per chunk
+    of sites in the storage dtype (mhar_lit.kernels.full_routing). Block and call mode route over a block's
+    sources only, and a decode step over one token: those keep the decode routers. The training run's
+    first-batch router check does not run here."""
+    residual = getattr(model, "residual", None)
+    if getattr(residual, "routing_mode", None) != "full" or not prefill_kernels_apply(model.embed_tokens.weight.device):
+        with decode_routing(model):
+            yield
+        return
+    original = residual.routing_choice
+    residual.set_routing_backend("triton", original[1] if original[0] == "triton" else None)
     try:
         yield
     finally:
@@ -158,8 +190,9 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
     ids, mask = left_pad(prompts, pad_id, device)
     cache = KVCache.for_model(model, len(prompts), cache_length(ids.shape[1], steps))
     rows = _Rows(len(prompts), eos_ids, stop, decode)
-    with decode_routing(model):
+    with prefill_routing(model):
         logits = prefill(model, ids, mask, cache)
+    with decode_routing(model):
         if mode == "eager":
             _host_loop(model, cache, logits, steps, sampling, generator, rows, on_step)
         else:
