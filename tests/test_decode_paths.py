@@ -165,6 +165,21 @@ def test_prefill_keeps_the_decode_routers_outside_full_mode(name, heads, monkeyp
         assert isinstance(model.residual.router, DecodeCallRouter) == (name == "delta")
 
 
+def test_prefill_keeps_the_decode_router_for_heads_wider_than_the_kernels_take(monkeypatch):
+    """fp32 full-mode kernels take routing heads up to 256 wide: a wider one (H 1 at d 512) prefills on the decode
+    router rather than failing."""
+    from mhar_lit.config import ModelConfig
+    from mhar_lit.models.decoder import DecoderLM
+    from mhar_lit.residual import FullAttnRes
+
+    monkeypatch.setattr(decoding, "prefill_kernels_apply", lambda device: True)
+    for heads, router in ((1, DecodeFullRouter), (2, None)):
+        model = DecoderLM(ModelConfig.from_name("tiny-4l", hidden_size=512, num_layers=1), FullAttnRes(heads=heads))
+        with prefill_routing(model):
+            assert model.residual.backend == ("torch" if router else "triton")
+            assert isinstance(model.residual.router, DecodeFullRouter) == (router is not None)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_prefill_with_the_routing_kernels_on_cuda_gives_the_cpu_tokens():
     """On CUDA the prefill of full mode runs the Triton router (fp32 here): the greedy tokens of every loop equal

@@ -26,7 +26,7 @@ import contextlib
 import importlib.util
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -82,10 +82,11 @@ def prefill_routing(model: torch.nn.Module) -> Iterator[None]:
     every site and writes two fp32 products of them (about 20 bytes per source element and site, L^2 of them per
     token: at 350M, batch 16 and prompt 1,024 that is ~400 GB); the kernels read the older sources once per chunk
     of sites in the storage dtype (mhar_lit.kernels.full_routing). Block and call mode route over a block's
-    sources only, and a decode step over one token: those keep the decode routers. The training run's
-    first-batch router check does not run here."""
+    sources only, and a decode step over one token: those keep the decode routers, as does a model whose routing
+    heads are wider than the kernels take in its dtype (mhar_lit.kernels.full_routing.max_head_width). The
+    training run's first-batch router check does not run here."""
     residual = getattr(model, "residual", None)
-    if getattr(residual, "routing_mode", None) != "full" or not prefill_kernels_apply(model.embed_tokens.weight.device):
+    if not _full_mode_on_kernels(model, residual):
         with decode_routing(model):
             yield
         return
@@ -95,6 +96,15 @@ def prefill_routing(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         residual.set_routing_backend(*original)
+
+
+def _full_mode_on_kernels(model: torch.nn.Module, residual: Any) -> bool:
+    weight = model.embed_tokens.weight
+    if getattr(residual, "routing_mode", None) != "full" or not prefill_kernels_apply(weight.device):
+        return False
+    from mhar_lit.kernels.full_routing import max_head_width
+
+    return model.config.hidden_size // residual.heads <= max_head_width(weight.dtype)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0,
