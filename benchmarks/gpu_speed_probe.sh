@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (at most 10 minutes) that answers the open speed questions on one GPU, each part under its own
 # share of the budget so that a cut keeps what came first:
-#   1. tests/test_fused_ops_gpu.py: model.fused_ops (liger's RMSNorm, RoPE, SiLU * up) is the plain function on CUDA
+#   1. tests/test_fused_ops_gpu.py: model.fused_ops (liger's RMSNorm, RoPE, SiLU * up) is the plain function on CUDA;
+#      with the CUDA tests of tests/test_decode_paths.py (compiled kernels, not the tests' default interpreter)
 #   2. decode at 350M, batch 1 and 16, prompt 128, 128 new tokens: the CUDA-graph step plain, with --fused-ops and
 #      with --compile-step (transformers' eager and compiled generate beside it in the plain run only); and the
 #      first token at batch 16 of prompts of 1,024 tokens (the prefill, full MHAR's routed by the Triton kernels)
@@ -29,8 +30,10 @@ LOG="$OUT/probe.log"
  python3 -c "import torch, triton, liger_kernel; print(torch.__version__, triton.__version__)"
  echo "commit (stated): $COMMIT"; date -u) > "$OUT/env.txt" 2>&1
 
-timeout -k 5 "$(until_s 60)" python3 -m pytest -q -p no:cacheprovider -s tests/test_fused_ops_gpu.py \
-  > "$OUT/fused_ops_gpu.log" 2>&1
+# compiled kernels (tests/conftest.py sets the interpreter unless told otherwise): fused_ops, and the prefill of full
+# mode on the routing kernels against the CPU's tokens
+TRITON_INTERPRET=0 timeout -k 5 "$(until_s 60)" python3 -m pytest -q -p no:cacheprovider -s \
+  tests/test_fused_ops_gpu.py tests/test_decode_paths.py -k "cuda or fused" > "$OUT/fused_ops_gpu.log" 2>&1
 echo "fused_ops_gpu rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$LOG"
 
 DECODE=(--models 350M-standard 350M-mhar-h8 --batches 1 16 --prompts 128 --new-tokens 128 --reps 3 --commit "$COMMIT")

@@ -1,6 +1,6 @@
 """DecoderLM.fused_ops on a CUDA device: liger's compiled Triton kernels (not the interpreter of test_fused_ops.py)
 through a small model's training gradients, inside a captured step, and in cached decoding (on a GPU machine:
-`python -m pytest tests/test_fused_ops_gpu.py`).
+`TRITON_INTERPRET=0 python -m pytest tests/test_fused_ops_gpu.py`: tests/conftest.py otherwise sets the interpreter).
 
 Tolerances are test_fused_ops.py's model tolerances (fp32 2e-6, bf16 4e-2 of the largest entry), whose
 reasoning holds on a GPU too: the two paths round at the same places in the forward and differ in the backward
