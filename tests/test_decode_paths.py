@@ -136,6 +136,7 @@ def test_prefill_routes_full_mode_with_the_training_kernels(heads, monkeypatch):
     prompts, continuations = prompts_and_continuations()
     expected_tokens = generate(model, prompts, 6, mode="eager")
     assert not decoding.prefill_kernels_apply(torch.device("cpu"))
+    assert not decoding.prefill_kernels_apply(torch.device("cuda"))  # interpreted kernels: the decode router
     monkeypatch.setattr(decoding, "prefill_kernels_apply", lambda device: True)
     ids, mask = left_pad(prompts)
     cache = KVCache.for_model(model, len(prompts), ids.shape[1] + 1)
@@ -180,10 +181,11 @@ def test_prefill_keeps_the_decode_router_for_heads_wider_than_the_kernels_take(m
             assert isinstance(model.residual.router, DecodeFullRouter) == (router is not None)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "0",
+                    reason="needs a CUDA device and compiled kernels (TRITON_INTERPRET=0)")
 def test_prefill_with_the_routing_kernels_on_cuda_gives_the_cpu_tokens():
-    """On CUDA the prefill of full mode runs the Triton router (fp32 here): the greedy tokens of every loop equal
-    the CPU's eager loop, whose prefill took the decode router."""
+    """On CUDA the prefill of full mode runs the compiled Triton router (fp32 here): the greedy tokens of every loop
+    equal the CPU's eager loop, whose prefill took the decode router."""
     model = randomised_model("full", 8)
     prompts = [[10, 11, 12], [20], [30, 31, 32, 33, 34]]
     expected = generate(model, prompts, 12, mode="eager")
