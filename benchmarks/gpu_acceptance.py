@@ -4,12 +4,10 @@ exported directory in transformers, captured against eager training under gradie
 test files. Run by benchmarks/gpu_acceptance.sh; writes benchmarks/results/gpu_acceptance.json (or --out):
 `commit`, `device`, `date`, `cases` ([{"name", "passed", "detail", "seconds"}]) and `passed`.
 
-Time: on an H100 the whole run took 500 s in one call at 3d35e56 (2026-12-07; 542 + 86 s in two calls on another
-machine the same day), close to a device command's 10 minutes, with the cases after the first fit one at a time
-and the routing matrix in one process. They now run two at a time (the recipes' fused loss made a fit small) and
-the matrix splits by dtype on a card with over 100 GiB, and every fit's MLflow store is a copy of one made once:
-not yet timed on a GPU. Resuming: every call also keeps its report in --work; a later call on the same warm
-machine, at the same commit and device, carries over the cases that passed there (marked `carried_from`, the
+Time: on an H100 the whole run took 399 s in one call at 7e05f0e (2026-12-07), with the cases after the first
+fit two at a time and the routing matrix (one process on an 80 GB card) the longest case at 388 s; 500 s before,
+with the cases one at a time. On a card with over 100 GiB the matrix splits by dtype (not yet timed).
+Resuming: every call also keeps its report in --work; a later call on the same warm machine, at the same commit and device, carries over the cases that passed there (marked `carried_from`, the
 earlier call's date) and runs the rest, so two calls under the limit give one complete report.
 
 Stated reductions, for the 10-minute budget: each fit runs 2 optimizer steps with the recipe's own microbatch,
