@@ -7,8 +7,9 @@ test files. Run by benchmarks/gpu_acceptance.sh; writes benchmarks/results/gpu_a
 Time: on an H100 the whole run took 399 s in one call at 7e05f0e (2026-12-07), with the cases after the first
 fit two at a time and the routing matrix (one process on an 80 GB card) the longest case at 388 s; 500 s before,
 with the cases one at a time. On a card with over 100 GiB the matrix splits by dtype (not yet timed).
-Resuming: every call also keeps its report in --work; a later call on the same warm machine, at the same commit and device, carries over the cases that passed there (marked `carried_from`, the
-earlier call's date) and runs the rest, so two calls under the limit give one complete report.
+Resuming: every call also keeps its report in --work; a later call on the same warm machine, at the same commit
+and device, carries over the cases that passed there (marked `carried_from`, the earlier call's date) and runs the
+rest, so two calls under the limit give one complete report.
 
 Stated reductions, for the 10-minute budget: each fit runs 2 optimizer steps with the recipe's own microbatch,
 sequence length and accumulation; the corpus is the embedded standard-library source at byte level (the recipes'
