@@ -4,7 +4,7 @@ exported directory in transformers, captured against eager training under gradie
 test files. Run by benchmarks/gpu_acceptance.sh; writes benchmarks/results/gpu_acceptance.json (or --out):
 `commit`, `device`, `date`, `cases` ([{"name", "passed", "detail", "seconds"}]) and `passed`.
 
-Time: on an H100 the whole run took 399 s in one call at 7e05f0e (2026-12-07), with the cases after the first
+Time: on an H100 the whole run took 388 s in one call at 7e05f0e (2026-12-07), with the cases after the first
 fit two at a time and the routing matrix (one process on an 80 GB card) the longest case at 388 s; 500 s before,
 with the cases one at a time. On a card with over 100 GiB the matrix splits by dtype (not yet timed).
 Resuming: every call also keeps its report in --work; a later call on the same warm machine, at the same commit

@@ -101,7 +101,8 @@ def main() -> None:
     report = {"benchmark": "graph_fit_check", "date": dt.datetime.now().isoformat(timespec="seconds"),
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "lightning": L.__version__,
-              "size": args.size, "precision": args.precision, "fused_loss": args.fused_loss, "accumulate": args.accumulate, "steps": args.steps,
+              "size": args.size, "precision": args.precision, "fused_loss": args.fused_loss,
+              "accumulate": args.accumulate, "steps": args.steps,
               "results": results, "passed": all(r["passed"] for r in results)}
     if args.out:
         with open(args.out, "w") as fh:

@@ -174,11 +174,11 @@ def test_prefill_keeps_the_decode_router_for_heads_wider_than_the_kernels_take(m
     from mhar_lit.residual import FullAttnRes
 
     monkeypatch.setattr(decoding, "prefill_kernels_apply", lambda device: True)
-    for heads, router in ((1, DecodeFullRouter), (2, None)):
+    for heads, on_kernels in ((1, False), (2, True)):
         model = DecoderLM(ModelConfig.from_name("tiny-4l", hidden_size=512, num_layers=1), FullAttnRes(heads=heads))
         with prefill_routing(model):
-            assert model.residual.backend == ("torch" if router else "triton")
-            assert isinstance(model.residual.router, DecodeFullRouter) == (router is not None)
+            assert model.residual.backend == ("triton" if on_kernels else "torch")
+            assert isinstance(model.residual.router, DecodeFullRouter) != on_kernels
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "0",

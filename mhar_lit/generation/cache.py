@@ -54,8 +54,7 @@ class KVCache:
         self.next_position = torch.zeros(batch, device=device, dtype=torch.long)  # RoPE position per row
         self.write_index = torch.zeros((), device=device, dtype=torch.long)  # column of the next token
         self.next_valid: Optional[Tensor] = None  # [B, T] real-token mask of the next call (None: all real)
-        self.empty = True  # nothing written yet: the next call attends over its own tokens (see the docstring)
-        self._own_tokens = False  # this call attends over its own tokens only
+        self.empty = True  # nothing written yet: this call attends over its own tokens (see the docstring)
         self._columns: Optional[Tensor] = None
         self._mask: Optional[Tensor] = None
         self._folded: dict[int, Tensor] = {}  # this step's mask folded per group size (built once, every layer)
@@ -79,26 +78,28 @@ class KVCache:
         device = self.keys.device
         valid = self.next_valid
         self.next_valid = None
+        given = valid is not None
         if valid is None:
             valid = torch.ones(self.batch, count, device=device, dtype=torch.bool)
         elif valid.shape != (self.batch, count):
             raise ValueError(f"real-token mask has shape {tuple(valid.shape)}, expected {(self.batch, count)}")
         valid = valid.to(device=device, dtype=torch.bool)
+        padded = given and self.empty and not bool(valid.all())  # a host sync, in a prefill only
         columns = self.write_index + torch.arange(count, device=device)
         self.key_valid.index_copy_(1, columns, valid)
         before = valid.long().cumsum(1) - valid.long()  # real tokens earlier in this call; pads do not count
         positions = self.next_position.unsqueeze(1) + before
         self.next_position += valid.long().sum(1)
-        self._columns, self._own_tokens, dtype = columns, self.empty, self.keys.dtype
-        if self.empty:  # a host sync, in a prefill only (decode steps never come here)
-            self._mask = None if bool(valid.all()) else additive_mask(valid, torch.arange(count, device=device), dtype)
+        self._columns, dtype = columns, self.keys.dtype
+        if self.empty:
+            self._mask = additive_mask(valid, torch.arange(count, device=device), dtype) if padded else None
         else:
             self._mask = additive_mask(self.key_valid, columns, dtype)
         return positions
 
     def end_step(self, count: int) -> None:
         self.write_index += count
-        self.empty = self._own_tokens = False
+        self.empty = False
         self._columns = self._mask = None
         self._folded = {}
 
@@ -123,7 +124,7 @@ class LayerKV:
         [B, heads, T, head_dim] (see grouped_attention). On an empty cache, over this call's columns only."""
         keys, values = self.update(k_BKTD, v_BKTD)
         cache, group = self.cache, q_BHTD.shape[1] // keys.shape[1]
-        if cache._own_tokens:
+        if cache.empty:  # this call's columns are all there is
             keys, values = k_BKTD.to(keys.dtype), v_BKTD.to(values.dtype)
             if cache._mask is None:  # no padding: the training forward's causal call
                 return F.scaled_dot_product_attention(q_BHTD, keys, values, is_causal=True, enable_gqa=group > 1)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
@@ -72,8 +71,11 @@ def prefill_kernels_apply(device: torch.device) -> bool:
     """Whether a prompt's prefill routes full mode with the training forward's Triton kernels (prefill_routing):
     on CUDA, where Triton is installed and compiles them. Under Triton's interpreter (TRITON_INTERPRET=1, the
     tests' setting) every launch copies its tensors to the host and back, slower than the decode router."""
-    return (device.type == "cuda" and importlib.util.find_spec("triton") is not None
-            and os.environ.get("TRITON_INTERPRET", "0") != "1")
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return False
+    from mhar_lit.kernels.host import interpreting
+
+    return not interpreting()
 
 
 @contextlib.contextmanager
