@@ -61,3 +61,21 @@ def test_budget_stops_between_cases_and_keeps_what_was_measured():
     report = {"cases": [], "complete": False}
     run_cases(order, measure, report, budget_s=None, start=now[0], save=lambda: None, clock=lambda: now[0])
     assert report["complete"] and len(report["cases"]) == 8
+
+
+def test_first_token_profile_dry_run_counts_operators(tmp_path):
+    """benchmarks/profile_first_token.py on the CPU: each model and its transformers peer once per shape, with the
+    wall time and a profile whose operator count and top host operators are filled (no GPU kernels on the CPU)."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "profile.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_first_token.py"), "--dry-run",
+                    "--models", "350M-standard", "--out", str(out)],
+                   check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": python_path()})
+    report = json.loads(out.read_text())
+    assert report["commit"] and report["device"]
+    assert [(c["model"], c["batch"]) for c in report["cases"]] == [
+        (m, b) for b in (1, 2) for m in ("350M-standard", "transformers-350M")]
+    for case in report["cases"]:
+        assert case["wall_ms"] > 0 and case["profiled_ms"] > 0 and case["cpu_ops"] > 100
+        assert case["kernels"] == 0 and case["top_gpu"] == []
+        assert len(case["top_host"]) == 12 and all(row["count"] >= 1 for row in case["top_host"])
