@@ -1,11 +1,12 @@
 """The user's path on one GPU, with the shipped defaults (capture, Triton routing and its first-batch check on):
-`fit` of every shipped method from the paper recipes, `generate` and `export` on a checkpoint a fit wrote, the
-exported directory in transformers, captured against eager training under gradient accumulation, and the GPU
-test files. Run by benchmarks/gpu_acceptance.sh; writes benchmarks/results/gpu_acceptance.json (or --out):
-`commit`, `device`, `date`, `cases` ([{"name", "passed", "detail", "seconds"}]) and `passed`.
+`fit` of every shipped method from the paper recipes, `generate` (and its greedy tokens on the GPU against the
+CPU's) and `export` on a checkpoint a fit wrote, the exported directory in transformers, captured against eager
+training under gradient accumulation, and the GPU test files. Run by benchmarks/gpu_acceptance.sh; writes
+benchmarks/results/gpu_acceptance.json (or --out): `commit`, `device`, `date`, `cases` ([{"name", "passed",
+"detail", "seconds"}]) and `passed`.
 
-Time: on an H100 the whole run took 388 s in one call at 7e05f0e (2026-12-07), with the cases after the first
-fit two at a time and the routing matrix (one process on an 80 GB card) the longest case at 388 s; 500 s before,
+Time: on an H100 the whole run took 430 s in one call at f0043be (2026-12-07), with the cases after the first
+fit two at a time and the routing matrix (one process on an 80 GB card) the longest case at 430 s; 500 s before,
 with the cases one at a time. On a card with over 100 GiB the matrix splits by dtype (not yet timed).
 Resuming: every call also keeps its report in --work; a later call on the same warm machine, at the same commit
 and device, carries over the cases that passed there (marked `carried_from`, the earlier call's date) and runs the
@@ -197,7 +198,12 @@ def generate_and_export(acc: Acceptance) -> None:
         return
     rc, log, secs = acc.run([sys.executable, "-m", "mhar_lit", "generate", "--ckpt", ckpts[0], "--prompt", "def ",
                              "--max_new_tokens", "24"], 120, f"{acc.work}/generate.log")
-    acc.add("generate", rc == 0 and len(log.strip()) > 0, f"exit {rc}: " + log.strip()[-300:], secs)
+    if rc != 0:
+        acc.add("generate", False, f"exit {rc}: " + log.strip()[-300:], secs)
+    else:  # the command ran; now its tokens: the GPU's against the CPU's
+        rc, log, secs2 = acc.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_acceptance.py"),
+                                  "--check-generate", ckpts[0]], 180, f"{acc.work}/generate_tokens.log")
+        acc.add("generate", rc == 0, log.strip()[-500:], secs + secs2)
     out = f"{acc.work}/exported"
     rc, log, secs = acc.run([sys.executable, "-m", "mhar_lit", "export", "--ckpt", ckpts[0], "--to", out,
                              "--dtype", "float32"], 120, f"{acc.work}/export.log")
@@ -207,6 +213,27 @@ def generate_and_export(acc: Acceptance) -> None:
     rc, log, secs2 = acc.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_acceptance.py"),
                               "--compare-exported", out], 120, f"{acc.work}/compare.log")
     acc.add("export + transformers", rc == 0, log.strip()[-500:], secs + secs2)
+
+
+def check_generate(ckpt: str) -> None:
+    """generate's greedy token ids on the GPU equal the CPU's, fp32, for a left-padded batch of two prompts, with
+    the CUDA default loop (a captured decode step) against the CPU's eager loop. Token ids, not text: the fits'
+    briefly trained models pick ids that the byte tokenizer decodes to nothing."""
+    import torch
+
+    from mhar_lit.generation import generate
+    from mhar_lit.generation.loading import load_generator
+
+    tokens = {}
+    for device in ("cuda", "cpu"):
+        loaded = load_generator(ckpt, None, None, torch.device(device), torch.float32)
+        prompts = [loaded.encode("def "), loaded.encode("import numpy as np\n\nclass ")]
+        tokens[device] = generate(loaded.model, prompts, 24)
+        print(f"{device}: {tokens[device]}")
+    same = tokens["cuda"] == tokens["cpu"]
+    verdict = "equal" if same else "differ from"
+    print(f"generate, fp32, a batch of 2 left-padded prompts, 24 new tokens: the GPU's tokens {verdict} the CPU's")
+    sys.exit(0 if same else 1)
 
 
 def compare_exported(directory: str) -> None:
@@ -274,9 +301,12 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=2,
                         help="cases run at once on the GPU after the first fit (beside the two test groups)")
     parser.add_argument("--compare-exported", help=argparse.SUPPRESS)
+    parser.add_argument("--check-generate", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compare_exported:
         return compare_exported(args.compare_exported)
+    if args.check_generate:
+        return check_generate(args.check_generate)
     os.makedirs(args.work, exist_ok=True)
     import torch
 

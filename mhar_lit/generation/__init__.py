@@ -19,7 +19,6 @@ from mhar_lit.generation.decoding import (
     generate,
     left_pad,
     prefill,
-    prefill_routing,
 )
 from mhar_lit.generation.sampling import Sampling, filter_logits, next_tokens
 from mhar_lit.generation.text import IncrementalText, StopMatcher
@@ -38,5 +37,4 @@ __all__ = [
     "left_pad",
     "next_tokens",
     "prefill",
-    "prefill_routing",
 ]

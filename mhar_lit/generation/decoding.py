@@ -3,8 +3,9 @@
 Every residual strategy decodes with the same per-layer key/value cache (see mhar_lit.generation.cache for
 why): the strategy's loop runs on the new tokens only. Decode steps route on the PyTorch backend
 (`decode_routing`): one token's routing is a tiny problem, and the fused kernels' shared-buffer schedules
-assume a full forward. A prompt's prefill is one (B x T tokens at every site): on CUDA, full mode routes it
-with the training forward's Triton kernels (`prefill_routing`).
+assume a full forward. The prefill routes on the decode routers too: full mode's Triton router gave NaN logits
+for a padded prefill on an H100 (docs/LOG.md, 2026-12-07), so it is not used here until a GPU test says it
+computes the decode router's function.
 
 Two token loops, the same tokens (tested):
 
@@ -23,10 +24,9 @@ Two token loops, the same tokens (tested):
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -65,51 +65,6 @@ def decode_routing(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         residual.set_routing_backend(*original)
-
-
-def prefill_kernels_apply(device: torch.device) -> bool:
-    """Whether a prompt's prefill routes full mode with the training forward's Triton kernels (prefill_routing):
-    on CUDA, where Triton is installed and compiles them. Under Triton's interpreter (TRITON_INTERPRET=1, the
-    tests' setting) every launch copies its tensors to the host and back, slower than the decode router."""
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        return False
-    from mhar_lit.kernels.host import interpreting
-
-    return not interpreting()
-
-
-@contextlib.contextmanager
-def prefill_routing(model: torch.nn.Module) -> Iterator[None]:
-    """Route a prompt's prefill: full mode with the training forward's Triton router where it runs
-    (prefill_kernels_apply), everything else as decode_routing; the model's routing choice is restored after it.
-
-    A prefill routes B x T tokens at each of the 2L + 1 sites. The decode router reads every earlier source at
-    every site and writes two fp32 products of them (about 20 bytes per source element and site, L^2 of them per
-    token: at 350M, batch 16 and prompt 1,024 that is ~400 GB); the kernels read the older sources once per chunk
-    of sites in the storage dtype (mhar_lit.kernels.full_routing). Block and call mode route over a block's
-    sources only, and a decode step over one token: those keep the decode routers, as does a model whose routing
-    heads are wider than the kernels take in its dtype (mhar_lit.kernels.full_routing.max_head_width). The
-    training run's first-batch router check does not run here."""
-    residual = getattr(model, "residual", None)
-    if not _full_mode_on_kernels(model, residual):
-        with decode_routing(model):
-            yield
-        return
-    original = residual.routing_choice
-    residual.set_routing_backend("triton", original[1] if original[0] == "triton" else None)
-    try:
-        yield
-    finally:
-        residual.set_routing_backend(*original)
-
-
-def _full_mode_on_kernels(model: torch.nn.Module, residual: Any) -> bool:
-    weight = model.embed_tokens.weight
-    if getattr(residual, "routing_mode", None) != "full" or not prefill_kernels_apply(weight.device):
-        return False
-    from mhar_lit.kernels.full_routing import max_head_width
-
-    return model.config.hidden_size // residual.heads <= max_head_width(weight.dtype)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0,
@@ -205,9 +160,8 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
     ids, mask = left_pad(prompts, pad_id, device)
     cache = KVCache.for_model(model, len(prompts), cache_length(ids.shape[1], steps))
     rows = _Rows(len(prompts), eos_ids, stop, decode)
-    with prefill_routing(model):
-        logits = prefill(model, ids, mask, cache)
     with decode_routing(model):
+        logits = prefill(model, ids, mask, cache)
         if mode == "eager":
             _host_loop(model, cache, logits, steps, sampling, generator, rows, on_step)
         else:
