@@ -4,8 +4,8 @@
     python benchmarks/decode.py --models qwen3-0.6b-delta-h8 --batches 1 --prompts 128 --new-tokens 128
     python benchmarks/decode.py --dry-run --out /tmp/decode.json    tiny shapes on the CPU (the test runs this)
     python benchmarks/decode.py --compile-step ...                   an experiment: our step compiled, then captured
-    python benchmarks/decode.py --fused-ops ...                      our models with DecoderLM.fused_ops on (liger's
-                                                                     RMSNorm, RoPE and SiLU * up; CUDA only)
+    python benchmarks/decode.py --plain-ops ...                      ours without liger's RMSNorm, RoPE and SiLU * up
+                                                                     (generate's default on CUDA: fused)
 
 Models (random weights, built from configs, nothing downloaded):
 - `qwen3-0.6b-delta-h8`: a Qwen3-0.6B-shaped transformers model (28 layers, d 1024, 16 / 8 heads, vocabulary
@@ -104,10 +104,9 @@ def no_eos(model):
     return model.eval()
 
 
-def build_models(names: list[str], device: torch.device, dtype: torch.dtype, tiny: bool, workdir: Path,
-                 fused_ops: bool = False) -> list[Contender]:
-    """Our models and their transformers peers, all resident (bf16 on an 80 GB card: ~15 GB for the grid).
-    fused_ops: DecoderLM.fused_ops on each of ours (the plain ops on the CPU, where liger's kernels do not run)."""
+def build_models(names: list[str], device: torch.device, dtype: torch.dtype, tiny: bool,
+                 workdir: Path) -> list[Contender]:
+    """Our models and their transformers peers, all resident (bf16 on an 80 GB card: ~15 GB for the grid)."""
     import transformers
 
     from mhar_lit.convert import convert_hf, load_pretrained
@@ -133,8 +132,6 @@ def build_models(names: list[str], device: torch.device, dtype: torch.dtype, tin
             if size not in peers:
                 peers[size] = no_eos(transformers.Qwen3ForCausalLM(qwen3_like(cfg)).to(dtype))
         contenders.append(Contender(name, ours, peers[size], size))
-    for contender in contenders:
-        contender.ours.fused_ops = fused_ops
     return contenders
 
 
@@ -156,8 +153,9 @@ def timed(fn: Callable[[], Any], device: torch.device, reps: int) -> tuple[float
     return statistics.median(times), result
 
 
-def ours_call(model: torch.nn.Module, prompts: list[list[int]], new: int, mode: str) -> Callable[[], list]:
-    return lambda: generate(model, prompts, new, mode=mode)
+def ours_call(model: torch.nn.Module, prompts: list[list[int]], new: int, mode: str,
+              fused_ops: Optional[bool] = None) -> Callable[[], list]:
+    return lambda: generate(model, prompts, new, mode=mode, fused_ops=fused_ops)
 
 
 def peer_call(model: torch.nn.Module, ids: torch.Tensor, new: int, compiled: bool) -> Callable[[], torch.Tensor]:
@@ -204,8 +202,9 @@ def measure_case(contender: Contender, batch: int, prompt: int, new: int, args, 
     vocab = min(contender.ours.config.vocab_size, contender.peer.config.vocab_size)
     ids = torch.randint(0, vocab, (batch, prompt), generator=gen)
     prompts = ids.tolist()
-    seconds, ours_tokens = timed(ours_call(contender.ours, prompts, new, args.mode), device, args.reps)
-    first, _ = timed(ours_call(contender.ours, prompts, 1, args.mode), device, args.reps)
+    fused = False if args.plain_ops else None
+    seconds, ours_tokens = timed(ours_call(contender.ours, prompts, new, args.mode, fused), device, args.reps)
+    first, _ = timed(ours_call(contender.ours, prompts, 1, args.mode, fused), device, args.reps)
     case = {"model": contender.name, "batch": batch, "prompt": prompt, "new_tokens": new,
             "tokens_per_s": batch * new / seconds, "ttft_ms": 1e3 * first}
     key = (contender.peer_key, batch, prompt, new)
@@ -303,9 +302,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--compile-step", action="store_true",
                    help="an experiment: our decode step compiled (inductor) before its capture; checked against "
                         "the eager loop's tokens first")
-    p.add_argument("--fused-ops", action="store_true",
-                   help="our models with DecoderLM.fused_ops on: liger-kernel's Triton RMSNorm, RoPE and SiLU * up "
-                        "(fewer kernels per decode step; the plain ops on the CPU)")
+    p.add_argument("--plain-ops", action="store_true",
+                   help="ours with the plain elementwise ops (generate(fused_ops=False)); by default generate runs "
+                        "liger-kernel's RMSNorm, RoPE and SiLU * up on CUDA")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop before a case that would end after this many seconds; write what was measured")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
@@ -330,7 +329,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     out = Path(args.out)
     report = {**environment(device, args.commit), "dtype": str(dtype).removeprefix("torch."), "mode": args.mode,
-              "compile_step": args.compile_step, "fused_ops": args.fused_ops,
+              "compile_step": args.compile_step, "plain_ops": args.plain_ops,
               "dry_run": args.dry_run, "reps": args.reps, "budget_s": args.budget_s,
               "grid": {"models": args.models, "batches": args.batches, "prompts": args.prompts,
                        "new_tokens": args.new_tokens, "peers": args.peers},
@@ -338,8 +337,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                         "static cache, CompileConfig(fullgraph=True, mode='reduce-overhead')"),
               "complete": False, "cases": []}
     with tempfile.TemporaryDirectory(prefix="decode-bench-") as workdir:
-        contenders = {c.name: c for c in build_models(args.models, device, dtype, args.dry_run, Path(workdir),
-                                                               args.fused_ops)}
+        contenders = {c.name: c for c in build_models(args.models, device, dtype, args.dry_run, Path(workdir))}
     report["setup_s"] = time.perf_counter() - start
     eager = {name: check_tokens(c.ours, "eager") for name, c in contenders.items()}  # before any compile
     if args.compile_step:

@@ -128,6 +128,25 @@ def test_generate_on_cuda_gives_the_cpu_tokens(name, heads):
         assert generate(model, prompts, 12, mode=mode) == expected, mode
 
 
+def test_decode_ops_switch_the_fused_kernels_only_where_asked_and_restore():
+    """generate's fused_ops: None keeps a CPU model's plain ops; True and False switch them for the call only."""
+    from mhar_lit.generation.decoding import decode_ops
+
+    model = randomised_model("standard", None)
+    for asked, during in ((None, False), (True, True), (False, False)):
+        with decode_ops(model, asked):
+            assert model.fused_ops == during
+        assert model.fused_ops is False
+    model.fused_ops = True
+    with decode_ops(model, None):  # the model's own choice stands
+        assert model.fused_ops
+    with decode_ops(model, False):
+        assert not model.fused_ops
+    assert model.fused_ops
+    with decode_ops(torch.nn.Linear(2, 2), True):  # not a DecoderLM: nothing to switch
+        pass
+
+
 # ---------------------------------------------------------------------------------------------- token loops
 LOOP_CASES = [("standard", None), ("full", 8), ("delta", 8), ("block", 1), ("hyper-dynamic", None)]
 

@@ -316,11 +316,13 @@ def test_peer_step_times_the_fused_ops_variants(tmp_path, monkeypatch):
     assert model.fused_ops
 
 
-def test_decode_benchmark_builds_its_models_with_fused_ops(tmp_path, monkeypatch):
-    """benchmarks/decode.py --fused-ops: our models carry the switch and decode the plain models' greedy tokens."""
+def test_decode_benchmark_times_generate_with_and_without_fused_ops(tmp_path, monkeypatch):
+    """benchmarks/decode.py times generate's default (fused ops on CUDA) or, with --plain-ops, fused_ops=False; the
+    fused call decodes the plain call's greedy tokens (here through the interpreter) and leaves the model plain."""
     decode = _load_benchmark("decode", monkeypatch)
-    assert decode.parse_args(["--dry-run", "--fused-ops"]).fused_ops and not decode.parse_args([]).fused_ops
-    args = (["350M-standard"], torch.device("cpu"), torch.float32, True, tmp_path)
-    [fused], [plain] = decode.build_models(*args, fused_ops=True), decode.build_models(*args)
-    assert fused.ours.fused_ops and not plain.ours.fused_ops
-    assert decode.check_tokens(fused.ours, "device", new=6) == decode.check_tokens(plain.ours, "eager", new=6)
+    assert decode.parse_args(["--dry-run", "--plain-ops"]).plain_ops and not decode.parse_args([]).plain_ops
+    [contender] = decode.build_models(["350M-standard"], torch.device("cpu"), torch.float32, True, tmp_path)
+    prompts = [[5, 17, 3, 99], [40, 2]]
+    fused = decode.ours_call(contender.ours, prompts, 6, "device", fused_ops=True)()
+    assert fused == decode.ours_call(contender.ours, prompts, 6, "eager", fused_ops=False)()
+    assert not contender.ours.fused_ops

@@ -101,6 +101,8 @@ def test_fused_ops_decode_the_same_greedy_tokens_on_cuda(strategy):
     plain, fused = twin_models(strategy, torch.float32)
     plain.eval(), fused.eval()
     prompts = [[5, 17, 3, 99, 250, 7, 1], [40, 2], [300, 12, 8, 64, 9]]
-    expected = generate(plain, prompts, 12, mode="eager")
+    expected = generate(plain, prompts, 12, mode="eager", fused_ops=False)
     assert generate(fused, prompts, 12, mode="eager") == expected
     assert generate(fused, prompts, 12, mode="auto") == expected
+    assert generate(plain, prompts, 12) == expected  # generate's default on CUDA: fused
+    assert not plain.fused_ops  # the model's own setting is back

@@ -24,6 +24,7 @@ Two token loops, the same tokens (tested):
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
@@ -65,6 +66,24 @@ def decode_routing(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         residual.set_routing_backend(*original)
+
+
+@contextlib.contextmanager
+def decode_ops(model: torch.nn.Module, fused_ops: Optional[bool]) -> Iterator[None]:
+    """The model's elementwise ops while generating: liger's fused kernels if `fused_ops` (None: where the model
+    is on CUDA and liger-kernel is installed), else the model's own setting; restored after."""
+    before = getattr(model, "fused_ops", None)
+    if before is None:  # not a DecoderLM: nothing to switch
+        yield
+        return
+    if fused_ops is None:
+        fused_ops = before or (model.embed_tokens.weight.device.type == "cuda"
+                               and importlib.util.find_spec("liger_kernel") is not None)
+    model.fused_ops = fused_ops
+    try:
+        yield
+    finally:
+        model.fused_ops = before
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0,
@@ -138,7 +157,8 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
              eos_ids: Sequence[int] = (), stop: Sequence[str] = (),
              decode: Optional[Callable[[list[int]], str]] = None,
              on_step: Optional[Callable[[list[list[int]], list[bool]], None]] = None,
-             pad_id: int = 0, mode: str = "auto", sync_every: int = 8) -> list[list[int]]:
+             pad_id: int = 0, mode: str = "auto", sync_every: int = 8,
+             fused_ops: Optional[bool] = None) -> list[list[int]]:
     """New tokens of each prompt (EOS excluded), batched with a KV cache.
 
     A row finishes at an EOS id, when its decoded text (`decode`, needed with `stop`) contains a stop string,
@@ -146,7 +166,11 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
     (fixed shapes) but their tokens are ignored. `on_step(tokens, finished)` is called whenever the host has
     new tokens: after every step in the eager loop, every `sync_every` steps in the device loops (streaming).
     Stop strings end generation; cutting the text at them is the caller's (`cut_at_stop`). `mode`: "auto",
-    "eager", "device" or "graph" (see the module docstring); every mode gives the same tokens.
+    "eager", "device" or "graph" (see the module docstring); every mode gives the same tokens. `fused_ops`:
+    liger-kernel's RMSNorm, RoPE and SiLU * up while generating (DecoderLM.fused_ops; the same values to
+    rounding); None turns them on for a model on CUDA where liger-kernel is installed (1.6x the decode speed
+    of a 350M model at batch 1 on an H100, benchmarks/results/speed_probe_2026-12-07) and leaves the model's
+    own choice elsewhere; the model's setting is restored after the call.
     """
     if stop and decode is None:
         raise ValueError("stop strings need a decode function to check the text")
@@ -160,7 +184,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
     ids, mask = left_pad(prompts, pad_id, device)
     cache = KVCache.for_model(model, len(prompts), cache_length(ids.shape[1], steps))
     rows = _Rows(len(prompts), eos_ids, stop, decode)
-    with decode_routing(model):
+    with decode_routing(model), decode_ops(model, fused_ops):
         logits = prefill(model, ids, mask, cache)
         if mode == "eager":
             _host_loop(model, cache, logits, steps, sampling, generator, rows, on_step)
