@@ -268,15 +268,20 @@ def graph_checks(acc: Acceptance) -> None:
 
 
 def gpu_test_groups(memory_gib: float) -> dict[str, tuple[list[str], dict]]:
-    """The GPU test files as groups, each run in a pytest process of its own beside the fits. With over 100 GiB
-    the routing matrix runs as two processes by dtype: it is bound by Triton's compiles (each dtype its own
-    kernels), and whole it was the run's longest case (341 s on an H100, 2026-12-07); on an 80 GB card it stays
-    one process, as two would hold two sets of float64 references (~25 GiB each at the 8B shape) beside the fits."""
+    """The GPU test files as groups, each run in a pytest process of its own beside the fits and the other groups.
+    With over 100 GiB the routing matrix runs as two processes by dtype: it is bound by Triton's compiles (each
+    dtype its own kernels), and whole it was the run's longest case (430 s on an H100, 2026-12-07); on an 80 GB
+    card it stays one process, as two would hold two sets of float64 references (~25 GiB each at the 8B shape)
+    beside the fits."""
     matrix, env = ["tests/test_gpu_routing_matrix.py"], {"TRITON_INTERPRET": "0"}
     groups = ({"tests: GPU routing matrix": (matrix, env)} if memory_gib <= 100 else
               {f"tests: GPU routing matrix {dtype}": (matrix + ["-k", dtype], env) for dtype in ("fp32", "bf16")})
     groups["tests: CUDA graph and generation"] = (["tests/test_cuda_graph.py", "tests/test_generation.py",
                                                    "tests/test_decode_paths.py", "tests/test_routing_backend.py"], {})
+    # the group above runs under Triton's interpreter (tests/conftest.py's default), where generate keeps the plain
+    # ops: liger's kernels in training and decoding, and generate on CUDA, compiled as users run them
+    groups["tests: compiled fused ops and generation"] = (
+        ["tests/test_fused_ops_gpu.py", "tests/test_decode_paths.py", "-k", "cuda or fused"], env)
     return groups
 
 
@@ -299,7 +304,7 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/gpu_acceptance")
     parser.add_argument("--budget-s", type=float, default=540)
     parser.add_argument("--parallel", type=int, default=2,
-                        help="cases run at once on the GPU after the first fit (beside the two test groups)")
+                        help="cases run at once on the GPU after the first fit (beside the test groups)")
     parser.add_argument("--compare-exported", help=argparse.SUPPRESS)
     parser.add_argument("--check-generate", help=argparse.SUPPRESS)
     args = parser.parse_args()

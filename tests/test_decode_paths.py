@@ -147,6 +147,18 @@ def test_decode_ops_switch_the_fused_kernels_only_where_asked_and_restore():
         pass
 
 
+def test_generate_fuses_ops_on_cuda_only_where_triton_compiles(monkeypatch):
+    """None means fused on CUDA with liger-kernel installed, except under Triton's interpreter, whose host copies a
+    captured decode step cannot hold; never on the CPU."""
+    from mhar_lit.generation.decoding import _fused_ops_compile
+
+    pytest.importorskip("liger_kernel")
+    for interpret, on_cuda in (("1", False), ("0", True)):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        assert _fused_ops_compile(torch.device("cuda")) == on_cuda
+        assert not _fused_ops_compile(torch.device("cpu"))
+
+
 # ---------------------------------------------------------------------------------------------- token loops
 LOOP_CASES = [("standard", None), ("full", 8), ("delta", 8), ("block", 1), ("hyper-dynamic", None)]
 

@@ -76,6 +76,9 @@ def test_the_routing_matrix_splits_by_dtype_only_on_a_large_card():
     assert split == {f"tests: GPU routing matrix {d}": ["tests/test_gpu_routing_matrix.py", "-k", d]
                      for d in ("fp32", "bf16")}
     assert small["tests: CUDA graph and generation"] == large["tests: CUDA graph and generation"]
+    files, env = small["tests: compiled fused ops and generation"]  # compiled, as users run them
+    assert env == {"TRITON_INTERPRET": "0"}
+    assert files[:2] == ["tests/test_fused_ops_gpu.py", "tests/test_decode_paths.py"]
 
 
 def test_each_fit_starts_from_a_copy_of_one_migrated_mlflow_store(tmp_path):

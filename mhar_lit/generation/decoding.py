@@ -70,20 +70,30 @@ def decode_routing(model: torch.nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def decode_ops(model: torch.nn.Module, fused_ops: Optional[bool]) -> Iterator[None]:
-    """The model's elementwise ops while generating: liger's fused kernels if `fused_ops` (None: where the model
-    is on CUDA and liger-kernel is installed), else the model's own setting; restored after."""
+    """The model's elementwise ops while generating: liger's fused kernels if `fused_ops` (None: where they run
+    compiled, _fused_ops_compile, or the model has them on), else the plain ops; the model's setting is restored
+    after."""
     before = getattr(model, "fused_ops", None)
     if before is None:  # not a DecoderLM: nothing to switch
         yield
         return
     if fused_ops is None:
-        fused_ops = before or (model.embed_tokens.weight.device.type == "cuda"
-                               and importlib.util.find_spec("liger_kernel") is not None)
+        fused_ops = before or _fused_ops_compile(model.embed_tokens.weight.device)
     model.fused_ops = fused_ops
     try:
         yield
     finally:
         model.fused_ops = before
+
+
+def _fused_ops_compile(device: torch.device) -> bool:
+    """Whether liger's kernels run compiled for a model on `device`: CUDA, liger-kernel installed, and not Triton's
+    interpreter (TRITON_INTERPRET=1, the tests' setting), whose host copies a CUDA graph cannot capture."""
+    if device.type != "cuda" or importlib.util.find_spec("liger_kernel") is None:
+        return False
+    from mhar_lit.kernels.host import interpreting
+
+    return not interpreting()
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0,
@@ -168,9 +178,9 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
     Stop strings end generation; cutting the text at them is the caller's (`cut_at_stop`). `mode`: "auto",
     "eager", "device" or "graph" (see the module docstring); every mode gives the same tokens. `fused_ops`:
     liger-kernel's RMSNorm, RoPE and SiLU * up while generating (DecoderLM.fused_ops; the same values to
-    rounding); None turns them on for a model on CUDA where liger-kernel is installed (1.6x the decode speed
-    of a 350M model at batch 1 on an H100, benchmarks/results/speed_probe_2026-12-07) and leaves the model's
-    own choice elsewhere; the model's setting is restored after the call.
+    rounding); None turns them on for a model on CUDA where liger-kernel is installed and Triton compiles
+    (1.6x the decode speed of a 350M model at batch 1 on an H100, benchmarks/results/speed_probe_2026-12-07)
+    and leaves the model's own choice elsewhere; the model's setting is restored after the call.
     """
     if stop and decode is None:
         raise ValueError("stop strings need a decode function to check the text")
