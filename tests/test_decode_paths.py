@@ -3,6 +3,8 @@ boolean mask, the decode router vs the reference full router, generate on CUDA v
 token loop vs the eager loop (same tokens with EOS, stop strings, sampling), incremental detokenization vs
 decoding everything."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,6 +65,43 @@ def test_decode_router_equals_the_reference_full_router(dtype, tol, heads):
             states = [reference.add(states[0], outputs[site + 1]), fast.add(states[1], outputs[site + 1])]
 
 
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2.0 ** -8)])
+@pytest.mark.parametrize("heads,width", [(1, 16), (8, 24)])
+def test_decode_kernels_route_as_the_float64_mix_of_their_keys(dtype, tol, heads, width):
+    """The Triton decode routing (a launch per source added and per site routed), over 21 sites (two blocks of
+    its online softmax) and 3-wide heads: each key is the source's normalised row (fp32 to 2e-6, bf16 within one
+    rounding), and each site's output the float64 softmax mix of the stored sources under those keys, within one
+    rounding of the output (2e-6 for fp32, 2^-8 for bf16); in fp32 it also equals the PyTorch decode router."""
+    from mhar_lit.generation.routing import normalized_key
+
+    gen = torch.Generator().manual_seed(heads)
+    sites, shape = 21, (2, 3, width)
+    query = torch.randn(sites, width, generator=gen)
+    norm = 1 + 0.3 * torch.randn(sites, width, generator=gen)
+    outputs = [(torch.randn(shape, generator=gen) * (1 + s / 4)).to(dtype) for s in range(sites)]
+    kernels, plain = DecodeFullRouter(heads, 1e-6, kernels=True), DecodeFullRouter(heads, 1e-6, kernels=False)
+    states = [router.begin(outputs[0], query.to(dtype), norm.to(dtype)) for router in (kernels, plain)]
+    w = states[0].weights.double()
+    for site in range(sites):
+        got = kernels.route(states[0], site)
+        values, keys = states[0].values[: site + 1].double(), states[0].keys[: site + 1].double()
+        torch.testing.assert_close(keys, normalized_key(states[0].values[: site + 1], 1e-6).double(),
+                                   rtol=tol, atol=1e-6)
+        logits = torch.einsum("nbthk,hk->nbth", keys.view(site + 1, *shape[:2], heads, -1), w[site])
+        expected = torch.einsum("nbth,nbthk->bthk", logits.softmax(0), values.view(site + 1, *shape[:2], heads, -1))
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), expected.reshape(shape), rtol=tol, atol=tol)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, plain.route(states[1], site), rtol=2e-6, atol=2e-6)
+        if site + 1 < sites:
+            states = [kernels.add(states[0], outputs[site + 1]), plain.add(states[1], outputs[site + 1])]
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
 def test_decode_call_router_equals_the_reference_call_router(dtype, tol):
     """Delta-style calls (a broadcast null row per site, then deltas that persist across sites) give the
@@ -112,6 +151,25 @@ def test_cached_decoding_with_the_decode_routers_equals_the_full_forward(name, h
             cached = torch.cat([prefill_logits[row, width - len(prompt):],
                                 torch.stack([s[row] for s in step_logits])])
             assert (cached - reference).abs().max().item() <= tol
+
+
+@needs_interpreter
+@pytest.mark.parametrize("heads", [1, 8])
+def test_cached_decoding_on_the_decode_kernels_equals_the_full_forward(heads, monkeypatch):
+    """Where the decode kernels apply (CUDA, compiled; declared here, interpreted), prefill and decode steps of
+    full mode route on them, with the full forward's logits (fp32, 1e-5) and the PyTorch router's greedy tokens."""
+    from mhar_lit.generation import routing
+    from mhar_lit.kernels import decode_routing
+
+    model = randomised_model("full", heads)
+    prompts, _ = prompts_and_continuations()
+    expected = generate(model, prompts, 6, mode="eager")
+    launches = []
+    monkeypatch.setattr(routing, "decode_kernels_apply", lambda x: True)
+    monkeypatch.setattr(decode_routing, "route", lambda *a, route=decode_routing.route: launches.append(1) or route(*a))
+    test_cached_decoding_with_the_decode_routers_equals_the_full_forward("full", heads, torch.float32, 0.3, 1e-5)
+    assert len(launches) > 0
+    assert generate(model, prompts, 6, mode="eager") == expected
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -11,7 +11,8 @@ their normalised keys, each computed once when the source is added:
     route(s):    logit[n, h] = < keys[n]_[h], w_s,[h] >,  w_s = q_s * g_s            (n = 0 .. s)
                  out_[h]     = sum_n softmax_n(logit)[n, h] * values[n]_[h]
 
-About six kernels per site, and the work per site is linear in its sources. Call mode (delta residuals) gets
+About ten kernels per site, and the work per site is linear in its sources. On CUDA the same computation runs
+as one Triton launch per site and one per source (mhar_lit.kernels.decode_routing). Call mode (delta residuals) gets
 the same from `DecodeCallRouter`: a delta is routed at every later site of its pass, so its key is computed
 the first time and found again by identity; the null source of a site (a parameter row broadcast over the
 batch) has its key computed once per decode for all sites. Keys are the reference's rounded
@@ -22,6 +23,7 @@ two-phase path does) changes only the fp32 rounding order of the logits. Install
 
 from __future__ import annotations
 
+import importlib.util
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -41,34 +43,59 @@ def normalized_key(source: Tensor, eps: float) -> Tensor:
     return F.rms_norm(source, (source.shape[-1],), eps=eps)
 
 
+def decode_kernels_apply(x: Tensor) -> bool:
+    """Whether full mode's decode routing runs on its Triton kernels (mhar_lit.kernels.decode_routing) for
+    activations like x: CUDA tensors of a 16- or 32-bit float dtype, with Triton installed and compiling (not
+    its interpreter, whose host copies a captured decode step cannot hold)."""
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if importlib.util.find_spec("triton") is None:
+        return False
+    from mhar_lit.kernels.host import interpreting
+
+    return not interpreting()
+
+
 @dataclass(eq=False)
 class _DecodeFullState:
     """The pass's sources and their normalised keys ([sites, B, T, D], storage dtype), the folded per-site
-    queries w = q g ([sites, H, D/H], compute dtype) and the number of sources so far."""
+    queries w = q g ([sites, H, D/H], compute dtype), the number of sources so far, and whether the Triton
+    kernels route it."""
 
     values: Tensor
     keys: Tensor
     weights: Tensor
+    kernels: bool
     count: int = 0
 
 
 class DecodeFullRouter(DepthRouter):
     """A full-mode router (same contract as the reference FullRouter) for no-grad decoding; see the module
-    docstring for the computation."""
+    docstring for the computation. kernels: route on the Triton kernels of mhar_lit.kernels.decode_routing (one
+    launch per site and per source instead of about ten); None takes them where decode_kernels_apply says."""
 
     backend = "torch"
+
+    def __init__(self, heads: int, eps: float, kernels: Optional[bool] = None) -> None:
+        super().__init__(heads, eps)
+        self.kernels = kernels
 
     def begin(self, embedding: Tensor, query_SD: Tensor, norm_SD: Tensor) -> _DecodeFullState:
         sites, width = query_SD.shape
         ctype = compute_dtype(embedding.dtype)
         weights = (query_SD.to(ctype) * norm_SD.to(ctype)).view(sites, self.heads, width // self.heads)
+        kernels = decode_kernels_apply(embedding) if self.kernels is None else self.kernels
         state = _DecodeFullState(embedding.new_empty((sites, *embedding.shape)),
-                                 embedding.new_empty((sites, *embedding.shape)), weights)
+                                 embedding.new_empty((sites, *embedding.shape)), weights.contiguous(), kernels)
         return self.add(state, embedding)
 
     def route(self, state: _DecodeFullState, site: int) -> Tensor:
         if state.count != site + 1:
             raise RuntimeError(f"site {site} expected {site + 1} sources, found {state.count}")
+        if state.kernels:
+            from mhar_lit.kernels import decode_routing
+
+            return decode_routing.route(state.values, state.keys, state.weights[site], state.count)
         n, (_, b, t, d) = state.count, state.values.shape
         heads = self.heads
         keys = state.keys[:n].view(n, b, t, heads, d // heads)
@@ -79,8 +106,13 @@ class DecodeFullRouter(DepthRouter):
 
     def add(self, state: _DecodeFullState, output: Tensor) -> _DecodeFullState:
         index = state.count
-        state.values[index].copy_(output)
-        state.keys[index].copy_(normalized_key(state.values[index], self.eps))
+        if state.kernels:
+            from mhar_lit.kernels import decode_routing
+
+            decode_routing.add(output, state.values, state.keys, index, self.eps)
+        else:
+            state.values[index].copy_(output)
+            state.keys[index].copy_(normalized_key(state.values[index], self.eps))
         state.count = index + 1
         return state
 
