@@ -81,3 +81,26 @@ def test_bad_arguments_are_one_line_errors(model_dir, tmp_path):
         with pytest.raises(error, match=match) as info:
             perplexity(folder, tokenizer="bytes", device="cpu", **kwargs)
         assert "\n" not in str(info.value)
+
+
+def test_a_checkpoint_is_verified_on_a_prepared_corpus_as_on_a_text_file(tmp_path):
+    """A .ckpt without its sha256 sidecar is refused for a prepared corpus too (it loads without a tokenizer,
+    through the same reader), read with allow_unverified, and scores the same once its digest is recorded."""
+    from mhar_lit.checkpoint import UnverifiedCheckpointError, record_checksum
+    from mhar_lit.data.prepare import prepare
+    from mhar_lit.lit.module import LanguageModel
+
+    module = LanguageModel(size="tiny")
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(checkpoint)
+    ckpt = tmp_path / "last.ckpt"
+    torch.save(checkpoint, ckpt)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text(TEXT, encoding="utf-8")
+    prepared = prepare([str(tmp_path / "docs")], ByteTokenizer(), cache_dir=tmp_path / "cache", val_fraction=0.0)
+    options = dict(seq_len=16, split="train", device="cpu", dtype="float32")
+    with pytest.raises(UnverifiedCheckpointError, match="--allow_unverified"):
+        perplexity(ckpt, prepared.train_dir, **options)
+    unverified = perplexity(ckpt, prepared.train_dir, allow_unverified=True, **options)
+    record_checksum(ckpt)
+    assert perplexity(ckpt, prepared.train_dir, **options).loss == unverified.loss

@@ -308,3 +308,14 @@ def test_a_fit_ends_with_where_its_run_went(tmp_path, capsys, monkeypatch):
     assert "train/loss " in printed and "val/loss " in printed and "tokens/s" in printed
     assert f"checkpoint {tmp_path}/runs/where/checkpoints/last.ckpt" in printed
     assert "UI: make ui, then http://127.0.0.1:5000/#/experiments/" in printed and run_id in printed
+
+
+def test_lm_eval_with_a_missing_model_path_is_one_line(tmp_path, capsys, monkeypatch):
+    """lm_eval's model arguments are checked by the adapter: a path that does not exist is the one-line user error
+    (exit 2) of every command, not lm_eval's traceback."""
+    pytest.importorskip("lm_eval")
+    monkeypatch.delenv("MHAR_DEBUG", raising=False)
+    missing = tmp_path / "missing"
+    err = _main_error(["lm_eval", "--model", "mhar_lit", "--model_args", f"path={missing}", "--tasks",
+                       "lambada_openai"], capsys)
+    assert f"path={missing}: neither a checkpoint file nor a converted model directory" in err

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mhar_lit.errors import UserError, exits_on_user_error
+from mhar_lit.errors import UserError, UserFileNotFoundError, exits_on_user_error
 from mhar_lit.generation.sampling import Sampling
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class TokenizerJSON:
 
         self.path = Path(path)
         if not self.path.is_file():
-            raise FileNotFoundError(f"tokenizer file {self.path} not found (pass tokenizer=PATH/tokenizer.json)")
+            raise UserFileNotFoundError(f"tokenizer file {self.path} not found (pass tokenizer=PATH/tokenizer.json)")
         self.tok = read_tokenizer_json(self.path)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._eos(eos)
@@ -225,6 +225,8 @@ def build_scorer(path: str, tokenizer: Optional[str] = None, device: Optional[st
     from mhar_lit.convert import load_pretrained
     from mhar_lit.convert.core import read_mhar_config
 
+    if not Path(path).exists():
+        raise UserFileNotFoundError(f"path={path}: neither a checkpoint file nor a converted model directory")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     size = int(batch_size) if str(batch_size).isdigit() else 8  # lm_eval's "auto" is not supported: use 8
     options = dict(max_length=max_length, batch_size=size, max_gen_toks=max_gen_toks, seed=int(seed),

@@ -42,7 +42,7 @@ class PerplexityResult:
 def perplexity(model: str | Path, data: str | Path, seq_len: Optional[int] = None, batch_size: int = 8,
                tokenizer: Optional[str] = None, eos: Optional[str | int] = None, split: str = "val",
                device: Optional[str | torch.device] = None, dtype: str = "auto",
-               max_tokens: Optional[int] = None) -> PerplexityResult:
+               max_tokens: Optional[int] = None, allow_unverified: bool = False) -> PerplexityResult:
     """Perplexity of `model` (a Lightning .ckpt written by `fit`, or a directory written by `convert` or
     `export`) on `data`: a text file (UTF-8, tokenized with the model's own tokenizer or `tokenizer`/`eos` as
     `generate` takes them), or a prepared corpus (a litdata split folder holding index.json, or a prepared
@@ -51,6 +51,8 @@ def perplexity(model: str | Path, data: str | Path, seq_len: Optional[int] = Non
     seq_len: tokens of context per window (default: the model's max_position_embeddings). batch_size: windows
     per forward. device: default CUDA when available. dtype: "auto" (bf16 on CUDA, fp32 elsewhere), "float32",
     "bfloat16" or "float16". max_tokens: score at most this many predicted tokens (the first ones).
+    A .ckpt is read by the checkpoint reader (mhar_lit.checkpoint), which refuses a file whose sha256 sidecar
+    is missing unless `allow_unverified`, and one that does not match it always.
     Bad arguments raise ValueError or FileNotFoundError with one line naming what to change."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = _dtype(dtype, device)
@@ -63,13 +65,13 @@ def perplexity(model: str | Path, data: str | Path, seq_len: Optional[int] = Non
         raise FileNotFoundError(f"{data} does not exist: pass a text file or a prepared corpus folder")
     if data.is_dir():
         split_dir = _split_folder(data, split)
-        loaded = _load_model(model, device, torch_dtype)
+        loaded = _load_model(model, device, torch_dtype, allow_unverified)
         seq_len = _seq_len(loaded, seq_len)
         windows = _prepared_blocks(split_dir, seq_len)
     else:
         from mhar_lit.generation.loading import load_generator
 
-        generator = load_generator(str(model), tokenizer, eos, device, torch_dtype)
+        generator = load_generator(str(model), tokenizer, eos, device, torch_dtype, allow_unverified=allow_unverified)
         loaded = generator.model
         seq_len = _seq_len(loaded, seq_len)
         ids = generator.encode(data.read_text(encoding="utf-8")) + [generator.eos_ids[0]]
@@ -157,17 +159,20 @@ def _split_folder(data: Path, split: str) -> Path:
     raise FileNotFoundError(f"{data} is not a prepared corpus: expected index.json in it or in {data / split}")
 
 
-def _load_model(source: str | Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """The model alone (a prepared corpus needs no tokenizer): a converted / exported directory or a .ckpt."""
+def _load_model(source: str | Path, device: torch.device, dtype: torch.dtype,
+                allow_unverified: bool) -> torch.nn.Module:
+    """The model alone (a prepared corpus needs no tokenizer): a converted / exported directory or a .ckpt
+    (verified as a text file's is)."""
     path = Path(source)
     if path.is_dir():
         from mhar_lit.convert import load_pretrained
 
         return load_pretrained(path, device=device, dtype=dtype)
     if path.is_file():
-        from mhar_lit.lit.module import model_from_checkpoint
+        from mhar_lit.checkpoint import read_checkpoint
 
-        return model_from_checkpoint(str(path)).to(device=device, dtype=dtype).eval()
+        contents = read_checkpoint(path, allow_unverified=allow_unverified, with_tokenizer=False)
+        return contents.model.to(device=device, dtype=dtype).eval()
     raise FileNotFoundError(f"{source} is neither a checkpoint file nor a converted model directory")
 
 

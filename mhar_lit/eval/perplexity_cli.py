@@ -36,6 +36,8 @@ def build_parser():
     p.add_argument("--eos", default=None, help="EOS token (string or id) for a tokenizer.json")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: bfloat16 on CUDA, float32 elsewhere")
+    p.add_argument("--allow_unverified", "--allow-unverified", action="store_true",
+                   help="read a .ckpt that has no sha256 sidecar (one that does not match is refused always)")
     return p
 
 
@@ -58,7 +60,7 @@ def perplexity_main(argv: Optional[list[str]] = None) -> int:
     eos = int(args.eos) if args.eos is not None and str(args.eos).isdigit() else args.eos
     result = perplexity(args.ckpt, args.data, seq_len=args.seq_len, batch_size=args.batch_size,
                         tokenizer=args.tokenizer, eos=eos, split=args.split, device=args.device, dtype=args.dtype,
-                        max_tokens=args.max_tokens)
+                        max_tokens=args.max_tokens, allow_unverified=args.allow_unverified)
     print(f"perplexity {result.perplexity:.4f}  loss {result.loss:.4f} nats/token  {result.tokens} tokens "
           f"({result.windows} windows of {result.seq_len})")
     return 0
