@@ -231,12 +231,15 @@ def save_pretrained(model: DecoderLM, dst: str | os.PathLike, source: Optional[d
 
 
 def write_hf(model: DecoderLM, out: Path, dtype: str, architecture: Optional[str] = None,
-             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Any]:
+             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, eos_token_id: Optional[int] = None) -> dict[str, Any]:
     """A transformers-loadable Llama / Qwen3 directory's weights and config.json from an in-memory standard-
-    residual DecoderLM, into the existing directory `out`; returns the config.json dict."""
+    residual DecoderLM, into the existing directory `out`; returns the config.json dict (with eos_token_id
+    when given)."""
     _require_standard(model.residual, "the model")
     hf = hf_config_from_model(model.config, architecture or default_architecture(model.config))
     hf["dtype"] = dtype
+    if eos_token_id is not None:
+        hf["eos_token_id"] = eos_token_id
     write_tensors(_model_plan(model, dtype, _hf_name), out, max_shard_bytes)
     _write_json(out / "config.json", hf)
     return hf

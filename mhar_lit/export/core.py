@@ -79,9 +79,7 @@ def _write_mhar(model: Any, out: Path, source: dict[str, Any], dtype: str, token
 
 def _write_hf(model: Any, out: Path, dtype: str, tokenizer: tuple) -> None:
     """Everything of format "hf" into the (empty) directory `out`: a plain Llama / Qwen3 directory."""
-    eos_id = _write_tokenizer(out, tokenizer, model.config)
-    hf = write_hf(model, out, dtype)
-    _write_json(out / "config.json", {**hf, "eos_token_id": eos_id})
+    write_hf(model, out, dtype, eos_token_id=_write_tokenizer(out, tokenizer, model.config))
 
 
 def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: Optional[str] = None,
