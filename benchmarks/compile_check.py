@@ -1,12 +1,13 @@
-"""Compile every kernel that a FullRouting (or, with --mode block, BlockRouting) forward + backward launches,
-for a GPU target, on a machine without one: the launches are recorded instead of run (on CPU tensors whose values are never read), then
+"""Compile every kernel that a FullRouting (or, with --mode block, BlockRouting) forward + backward launches, or
+(--mode decode) full mode's decode router a prefill and a decode step launch, for a GPU target, on a machine
+without one: the launches are recorded instead of run (on CPU tensors whose values are never read), then
 each distinct kernel configuration is compiled to a cubin with Triton's bundled ptxas. This catches the
 compile errors that the interpreter does not (a loop-carried variable that changes type, a product shape
 the tensor cores refuse) before any GPU time is spent, and reports registers, spill stack, shared memory and
 the number of asynchronous-copy instructions (nonzero where Triton software-pipelined a loop's loads) per kernel.
 
     python benchmarks/compile_check.py [--shapes 100M 350M 1B] [--dtype bf16|fp32] [--arch 90]
-                                       [--mode full|block] [--sass DIR] [knob=value ...]  (fields of the mode's
+                                       [--mode full|block|decode] [--sass DIR] [knob=value ...]  (fields of the mode's
                                                                    kernel config, e.g. column_impl=row)
 
 Run without TRITON_INTERPRET (the interpreter replaces the kernels). Exit status 1 if any kernel fails.
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import mhar_lit.kernels.block_routing as block_routing  # noqa: E402
 import mhar_lit.kernels.full_routing as full_routing  # noqa: E402
-from mhar_lit.kernels import block, full_backward, full_forward, host  # noqa: E402
+from mhar_lit.kernels import block, decode_routing, full_backward, full_forward, host  # noqa: E402
 
 SHAPES = {  # name: (B, T, d, sites, H), as benchmarks/routing.py
     "100M": (8, 2048, 512, 25, 8),
@@ -50,7 +51,7 @@ _TYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp
 def record_launches(shape_name, dtype, knobs, mode="full"):
     """(kernel, args, constexprs, num_warps) of every launch of one forward + backward, nothing run."""
     b, t, d, n, heads = SHAPES[shape_name]
-    kernel_modules = (full_forward, full_backward) if mode == "full" else (block,)
+    kernel_modules = {"full": (full_forward, full_backward), "block": (block,), "decode": (decode_routing,)}[mode]
     calls = []
 
     class Recorder:  # stands in for a kernel: kernel[grid](*args, **constexprs) records instead of launching
@@ -72,6 +73,9 @@ def record_launches(shape_name, dtype, knobs, mode="full"):
         emb = torch.zeros(b, t, d, dtype=dtype, requires_grad=True)
         q = torch.zeros(n, d, requires_grad=True)
         g = torch.ones(n, d, requires_grad=True)
+        if mode == "decode":
+            _record_decode(emb, q, g, heads)
+            return calls
         if mode == "full":
             routing = full_routing.FullRouting(emb, q, g, heads, config=knobs)
         else:
@@ -85,6 +89,20 @@ def record_launches(shape_name, dtype, knobs, mode="full"):
             setattr(m, name, kernel)
         host.check_device = saved_check
     return calls
+
+
+def _record_decode(emb, q, g, heads):
+    """A prefill of emb's [B, T] tokens and a decode step of B tokens through DecodeFullRouter's kernels."""
+    from mhar_lit.generation.routing import DecodeFullRouter
+
+    router = DecodeFullRouter(heads, 1e-6, kernels=True)
+    with torch.no_grad():
+        for x in (emb.detach(), emb.detach()[:, :1]):
+            state = router.begin(x, q.detach(), g.detach())
+            for s in range(q.shape[0]):
+                out = router.route(state, s)
+                if s + 1 < q.shape[0]:
+                    router.add(state, out)
 
 
 def _signature(kernel, args, constexprs):
@@ -169,7 +187,7 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=["100M", "350M", "1B"], choices=list(SHAPES))
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
-    parser.add_argument("--mode", default="full", choices=["full", "block"])
+    parser.add_argument("--mode", default="full", choices=["full", "block", "decode"])
     parser.add_argument("--sass", metavar="DIR",
                         help="write each kernel configuration's SASS (cuobjdump) and TTGIR into DIR")
     parser.add_argument("knobs", nargs="*", help="FullRoutingConfig / BlockRoutingConfig fields name=value")

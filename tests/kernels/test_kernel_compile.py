@@ -1,5 +1,5 @@
-"""Every full- and block-mode routing kernel compiles for an H100/H200 (sm_90) with Triton's bundled ptxas, on this
-CPU machine: the interpreter runs the kernels' Python, not the compiler, so errors such as a loop-carried
+"""Every full- and block-mode routing kernel, and full mode's decode kernels, compiles for an H100/H200 (sm_90)
+with Triton's bundled ptxas, on this CPU machine: the interpreter runs the kernels' Python, not the compiler, so errors such as a loop-carried
 variable that changes type or a tensor-core product shape the backend refuses only show on a GPU otherwise
 (benchmarks/compile_check.py; it runs in a subprocess because it needs TRITON_INTERPRET unset). All cases run in
 one such process, each as its own `compile_check.py` call (its imports are most of a cached case's time)."""
@@ -23,6 +23,7 @@ FULL_CASES = [
     ["--dtype", "fp32", "column_impl=row", "group=8", "prefix_stages=3"],
 ]
 BLOCK_CASES = [["--dtype", "bf16"], ["--dtype", "fp32", "stages=1"]]
+DECODE_CASES = [["--dtype", "bf16"], ["--dtype", "fp32"]]  # full mode's decode router: prefill and decode step
 # Runs compile_check.py's command line once per case in one process: its output, then a line with its exit status.
 CASES_IN_ONE_PROCESS = """
 import json, runpy, sys
@@ -60,7 +61,8 @@ def _compile_each(cases: list[list[str]]) -> list[tuple[int, str]]:
 def test_full_and_block_routing_kernels_compile_for_sm90():
     full = [["--shapes", "tiny", *args] for args in FULL_CASES]
     block = [["--mode", "block", "--shapes", "tiny", *args] for args in BLOCK_CASES]
-    results = _compile_each(full + block)
+    decode = [["--mode", "decode", "--shapes", "tiny", *args] for args in DECODE_CASES]
+    results = _compile_each(full + block + decode)
     for args, (code, out) in zip(FULL_CASES, results):
         assert code == 0, f"{args}: {out[-3000:]}"
         assert "0 failed" in out and "_suffix" in out and "_prefix" in out, f"{args}: {out}"
@@ -72,6 +74,9 @@ def test_full_and_block_routing_kernels_compile_for_sm90():
             prefix = [line for line in out.splitlines() if "_prefix_fwd_kernel" in line]
             assert prefix and all("'STAGES': 3" in line and "async copies 0" not in line for line in prefix), (
                 f"{args}: {out}")
+    for args, (code, out) in zip(DECODE_CASES, results[len(FULL_CASES) + len(BLOCK_CASES):]):
+        assert code == 0 and "0 failed" in out, f"{args}: {out[-3000:]}"
+        assert "_add_kernel" in out and "_route_kernel" in out, f"{args}: {out}"
     for args, (code, out) in zip(BLOCK_CASES, results[len(FULL_CASES):]):
         assert code == 0, f"{args}: {out[-3000:]}"
         assert "0 failed" in out, f"{args}: {out}"
