@@ -1,6 +1,7 @@
 """Every full- and block-mode routing kernel, and full mode's decode kernels, compiles for an H100/H200 (sm_90)
-with Triton's bundled ptxas, on this CPU machine: the interpreter runs the kernels' Python, not the compiler, so errors such as a loop-carried
-variable that changes type or a tensor-core product shape the backend refuses only show on a GPU otherwise
+with Triton's bundled ptxas, on this CPU machine: the interpreter runs the kernels' Python, not the compiler, so
+errors such as a loop-carried variable that changes type or a tensor-core product shape the backend refuses only
+show on a GPU otherwise
 (benchmarks/compile_check.py; it runs in a subprocess because it needs TRITON_INTERPRET unset). All cases run in
 one such process, each as its own `compile_check.py` call (its imports are most of a cached case's time)."""
 
