@@ -92,8 +92,9 @@ def record_launches(shape_name, dtype, knobs, mode="full"):
 
 
 def _record_decode(emb, q, g, heads):
-    """A prefill of emb's [B, T] tokens and a decode step of B tokens through DecodeFullRouter's kernels."""
-    from mhar_lit.generation.routing import DecodeFullRouter
+    """A prefill of emb's [B, T] tokens and a decode step of B tokens through DecodeFullRouter's kernels, and a
+    call of DecodeCallRouter's (its query times the key-norm weight taken in the kernel)."""
+    from mhar_lit.generation.routing import DecodeCallRouter, DecodeFullRouter
 
     router = DecodeFullRouter(heads, 1e-6, kernels=True)
     with torch.no_grad():
@@ -103,6 +104,8 @@ def _record_decode(emb, q, g, heads):
                 out = router.route(state, s)
                 if s + 1 < q.shape[0]:
                     router.add(state, out)
+        x = emb.detach()[:, :1]
+        DecodeCallRouter(heads, 1e-6, kernels=True).route([x, x * 2], q.detach()[0], g.detach()[0])
 
 
 def _signature(kernel, args, constexprs):

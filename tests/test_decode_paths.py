@@ -126,6 +126,27 @@ def test_decode_call_router_equals_the_reference_call_router(dtype, tol):
                                reference.route([unknown_row], query[0], norm[0]), rtol=tol, atol=tol)
 
 
+@needs_interpreter
+def test_decode_call_router_on_the_kernel_equals_the_reference_call_router():
+    """Call mode's softmax and mix in one launch (the sources and keys stacked first), with the query times its
+    key-norm weight taken in the kernel: the reference's mixtures in fp32 (2e-6), also for queries made anew at
+    every call (a logit scale), which share addresses between calls."""
+    gen = torch.Generator().manual_seed(1)
+    sites, (b, t, d) = 6, (2, 3, 24)
+    query, null = (torch.randn(sites, d, generator=gen) for _ in range(2))
+    norm = 1 + 0.3 * torch.randn(sites, d, generator=gen)
+    reference, fast = CallRouter(8, 1e-6), DecodeCallRouter(8, 1e-6, fixed_rows=null, kernels=True)
+    deltas = []
+    for site in range(sites):
+        if site % 2 == 0:
+            deltas.append(torch.randn(b, t, d, generator=gen))
+        sources = [null[site].expand(b, t, d), *deltas]
+        for scale in (1.0, 2.0, 3.0):  # a temporary query per call, as effective_query() makes under a logit scale
+            q = query[site] * scale
+            torch.testing.assert_close(fast.route(sources, q, norm[site]), reference.route(sources, q, norm[site]),
+                                       rtol=2e-6, atol=2e-6)
+
+
 DECODE_ROUTER_CASES = [("full", 1), ("full", 8), ("delta", 8)]
 
 
@@ -154,20 +175,21 @@ def test_cached_decoding_with_the_decode_routers_equals_the_full_forward(name, h
 
 
 @needs_interpreter
-@pytest.mark.parametrize("heads", [1, 8])
-def test_cached_decoding_on_the_decode_kernels_equals_the_full_forward(heads, monkeypatch):
+@pytest.mark.parametrize("name,heads", DECODE_ROUTER_CASES, ids=[f"{n}-H{h}" for n, h in DECODE_ROUTER_CASES])
+def test_cached_decoding_on_the_decode_kernels_equals_the_full_forward(name, heads, monkeypatch):
     """Where the decode kernels apply (CUDA, compiled; declared here, interpreted), prefill and decode steps of
-    full mode route on them, with the full forward's logits (fp32, 1e-5) and the PyTorch router's greedy tokens."""
+    full and call mode route on them, with the full forward's logits (fp32, 1e-5) and the PyTorch routers' greedy
+    tokens."""
     from mhar_lit.generation import routing
     from mhar_lit.kernels import decode_routing
 
-    model = randomised_model("full", heads)
+    model = randomised_model(name, heads)
     prompts, _ = prompts_and_continuations()
     expected = generate(model, prompts, 6, mode="eager")
     launches = []
     monkeypatch.setattr(routing, "decode_kernels_apply", lambda x: True)
     monkeypatch.setattr(decode_routing, "route", lambda *a, route=decode_routing.route: launches.append(1) or route(*a))
-    test_cached_decoding_with_the_decode_routers_equals_the_full_forward("full", heads, torch.float32, 0.3, 1e-5)
+    test_cached_decoding_with_the_decode_routers_equals_the_full_forward(name, heads, torch.float32, 0.3, 1e-5)
     assert len(launches) > 0
     assert generate(model, prompts, 6, mode="eager") == expected
 

@@ -12,7 +12,8 @@ their normalised keys, each computed once when the source is added:
                  out_[h]     = sum_n softmax_n(logit)[n, h] * values[n]_[h]
 
 About ten kernels per site, and the work per site is linear in its sources. On CUDA the same computation runs
-as one Triton launch per site and one per source (mhar_lit.kernels.decode_routing). Call mode (delta residuals) gets
+as one Triton launch per site and one per source (mhar_lit.kernels.decode_routing); call mode's softmax and mix
+run as one launch after its sources and keys are stacked. Call mode (delta residuals) gets
 the same from `DecodeCallRouter`: a delta is routed at every later site of its pass, so its key is computed
 the first time and found again by identity; the null source of a site (a parameter row broadcast over the
 batch) has its key computed once per decode for all sites. Keys are the reference's rounded
@@ -126,13 +127,17 @@ class DecodeCallRouter(CallRouter):
 
     fixed_rows: a parameter [sites, D] whose rows are routed as broadcast sources (DeltaAttnRes.null); their
     keys are computed here once and found by address, which is safe because parameters neither move nor
-    change while a decode runs (the router lives for one generate call)."""
+    change while a decode runs (the router lives for one generate call). kernels: the softmax and the mix in
+    one Triton launch (mhar_lit.kernels.decode_routing.route) after the sources and keys are stacked; None
+    takes it where decode_kernels_apply says (CUDA, compiled)."""
 
     backend = "torch"
     _PRUNE_AT = 64  # dead entries of the identity memo are dropped when it grows past this
 
-    def __init__(self, heads: int, eps: float, fixed_rows: Optional[Tensor] = None) -> None:
+    def __init__(self, heads: int, eps: float, fixed_rows: Optional[Tensor] = None,
+                 kernels: Optional[bool] = None) -> None:
         super().__init__(heads, eps)
+        self.kernels = kernels  # None: decode_kernels_apply decides at the first call
         self._known: dict[int, tuple[weakref.ref, Tensor]] = {}  # id(source) -> (the source, weakly; its key)
         self._row_keys: dict[int, Tensor] = {}
         if fixed_rows is not None:
@@ -145,6 +150,14 @@ class DecodeCallRouter(CallRouter):
         heads = self.heads
         values = torch.stack(sources) if n > 1 else sources[0].unsqueeze(0)
         keys = torch.stack([self._key(s) for s in sources]) if n > 1 else self._key(sources[0]).unsqueeze(0)
+        if self.kernels is None:
+            self.kernels = decode_kernels_apply(values)
+        if self.kernels:  # one launch for the softmax and the mix (mhar_lit.kernels.decode_routing)
+            from mhar_lit.kernels import decode_routing
+
+            head_view = (heads, d // heads)  # the query and its key-norm weight as given, multiplied in the kernel
+            return decode_routing.route(values.contiguous(), keys.contiguous(), query.contiguous().view(head_view), n,
+                                        norm_weight.contiguous().view(head_view))
         ctype = compute_dtype(values.dtype)
         weights_HK = (query.to(ctype) * norm_weight.to(ctype)).view(heads, d // heads)
         weights_NBTH = (keys.view(n, b, t, heads, d // heads) * weights_HK).sum(-1).softmax(dim=0)

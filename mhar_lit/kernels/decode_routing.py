@@ -14,6 +14,8 @@ product per source and head): the kernels take any head width and any number of 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -41,15 +43,18 @@ def _add_kernel(y_ptr, values_ptr, keys_ptr, slot, P, D, eps, BLOCK_D: tl.conste
 
 
 @triton.jit(do_not_specialize=["n"])
-def _route_kernel(values_ptr, keys_ptr, w_ptr, out_ptr, n, P, D, K,
-                  BLOCK_N: tl.constexpr, K_P: tl.constexpr):
-    """One (row, head): the softmax over the first n sources of its logits, and their mix."""
+def _route_kernel(values_ptr, keys_ptr, w_ptr, g_ptr, out_ptr, n, P, D, K,
+                  BLOCK_N: tl.constexpr, K_P: tl.constexpr, HAS_G: tl.constexpr):
+    """One (row, head): the softmax over the first n sources of its logits, and their mix. The head's query is
+    w, or w g in fp32 where HAS_G (a query and its key-norm weight as given: nothing computed before the launch)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_k = tl.arange(0, K_P)
     mask_k = offs_k < K
     col = row.to(tl.int64) * D + head * K + offs_k
     w = tl.load(w_ptr + head * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    if HAS_G:
+        w = w * tl.load(g_ptr + head * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     m = tl.full([], float("-inf"), tl.float32)
     l = tl.zeros([], tl.float32)
     acc = tl.zeros([K_P], tl.float32)
@@ -77,12 +82,13 @@ def add(y_BTD: Tensor, values: Tensor, keys: Tensor, slot: int, eps: float) -> N
     _add_kernel[(rows,)](y, values, keys, slot, rows, width, eps, BLOCK_D=pow2(width))
 
 
-def route(values: Tensor, keys: Tensor, w_HK: Tensor, n: int) -> Tensor:
-    """The mix [B, T, D] of the first n sources of values [sites, B, T, D] under the site's folded query w [H, K]
-    (fp32): per head, a softmax over the sources of < key, w >."""
+def route(values: Tensor, keys: Tensor, w_HK: Tensor, n: int, g_HK: Optional[Tensor] = None) -> Tensor:
+    """The mix [B, T, D] of the first n sources of values [sites, B, T, D] (contiguous) under the site's query
+    w [H, K] (contiguous; times the key-norm weight g [H, K] in fp32 when given): per head, a softmax over the
+    sources of < key, w >."""
     heads, head_width = w_HK.shape
     _, b, t, d = values.shape
     out = values.new_empty((b, t, d))
-    _route_kernel[(b * t, heads)](values, keys, w_HK, out, n, b * t, d, head_width,
-                                  BLOCK_N=SOURCE_BLOCK, K_P=pow2(head_width))
+    _route_kernel[(b * t, heads)](values, keys, w_HK, w_HK if g_HK is None else g_HK, out, n, b * t, d, head_width,
+                                  BLOCK_N=SOURCE_BLOCK, K_P=pow2(head_width), HAS_G=g_HK is not None)
     return out

@@ -77,7 +77,7 @@ def test_full_and_block_routing_kernels_compile_for_sm90():
                 f"{args}: {out}")
     for args, (code, out) in zip(DECODE_CASES, results[len(FULL_CASES) + len(BLOCK_CASES):]):
         assert code == 0 and "0 failed" in out, f"{args}: {out[-3000:]}"
-        assert "_add_kernel" in out and "_route_kernel" in out, f"{args}: {out}"
+        assert "_add_kernel" in out and "'HAS_G': False" in out and "'HAS_G': True" in out, f"{args}: {out}"
     for args, (code, out) in zip(BLOCK_CASES, results[len(FULL_CASES):]):
         assert code == 0, f"{args}: {out[-3000:]}"
         assert "0 failed" in out, f"{args}: {out}"
