@@ -255,8 +255,10 @@ def compare_exported(directory: str) -> None:
 
 
 def graph_checks(acc: Acceptance) -> None:
-    # 100M with the recipes' fused loss: the path users train on (and 7 instead of ~40 GiB beside the other cases)
-    for size, precision, accumulate, loss in (("demo", "32-true", 4, []), ("100M", "bf16-true", 4, ["--fused-loss"])):
+    # 100M with the recipes' fused loss and fused ops: the path users train on (and 7 instead of ~40 GiB beside
+    # the other cases)
+    for size, precision, accumulate, loss in (("demo", "32-true", 4, []),
+                                              ("100M", "bf16-true", 4, ["--fused-loss", "--fused-ops"])):
         if acc.carried(f"captured = eager, accumulate {accumulate}, {size} {precision}"):
             continue
         out = f"{acc.work}/graph_{size}.json"

@@ -6,7 +6,7 @@ captured parameters after the last step differ from the eager ones by at most 1e
 16-bit by at most 2x what the reversed-order eager run differs by (plus 1e-6). Writes JSON and prints a table.
 
     python benchmarks/graph_fit_check.py [--size demo] [--steps 4] [--accumulate 4] [--precision 32-true]
-                                         [--methods baseline mhar] [--fused-loss] [--out FILE]
+                                         [--methods baseline mhar] [--fused-loss] [--fused-ops] [--out FILE]
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def fit(args, method: str, graph: bool, batches: list[torch.Tensor]) -> tuple[di
     torch.manual_seed(0)
     residual = StandardResidual() if method == "baseline" else FullAttnRes(heads=8 if args.size != "demo" else 4)
     module = LanguageModel(size=args.size, residual=residual, warmup_steps=1, lr=1e-3, cuda_graph=graph,
-                           fused_loss=args.fused_loss)
+                           fused_loss=args.fused_loss, fused_ops=args.fused_ops)
     clock = _StepClock()
     trainer = L.Trainer(accelerator="gpu", devices=1, precision=args.precision, max_steps=args.steps,
                         accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
@@ -91,6 +91,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["baseline", "mhar"], choices=["baseline", "mhar"])
     parser.add_argument("--fused-loss", action="store_true",
                         help="model.fused_loss (the paper recipes' loss; needs liger-kernel and CUDA)")
+    parser.add_argument("--fused-ops", action="store_true",
+                        help="model.fused_ops (the paper recipes' RMSNorm, RoPE and SiLU * up; liger-kernel, CUDA)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     b, t = MICROBATCH[args.size]
@@ -102,7 +104,7 @@ def main() -> None:
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "lightning": L.__version__,
               "size": args.size, "precision": args.precision, "fused_loss": args.fused_loss,
-              "accumulate": args.accumulate, "steps": args.steps,
+              "fused_ops": args.fused_ops, "accumulate": args.accumulate, "steps": args.steps,
               "results": results, "passed": all(r["passed"] for r in results)}
     if args.out:
         with open(args.out, "w") as fh:
