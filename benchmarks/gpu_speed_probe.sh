@@ -4,9 +4,10 @@
 # the call's budget, so that a cut keeps what came first:
 #   tests   tests/test_fused_ops_gpu.py and the CUDA tests of tests/test_decode_paths.py with compiled kernels
 #           (tests/conftest.py otherwise selects Triton's interpreter)                                  (<= 60 s)
-#   decode  350M standard and full MHAR H 8, batch 1 and 16, prompt 128, 128 new tokens: generate's default
-#           (on CUDA a captured step with liger's fused ops) beside transformers' eager generate, then the same
-#           with --plain-ops; then the first token at batch 16 of prompts of 1,024 tokens                 (<= 200 s)
+#   decode  350M standard and full MHAR H 8 and the converted Qwen3-0.6B shape (delta, H 8), batch 1 and 16,
+#           prompt 128, 128 new tokens: generate's default (on CUDA a captured step with liger's fused ops and
+#           the decode routing kernels) beside transformers' eager generate; the 350M pair again with
+#           --plain-ops; then the first token at batch 16 of prompts of 1,024 tokens                     (<= 260 s)
 #   peer    peer_step at 100M and 1B, one variant per process: our captured step with the fused loss and fused
 #           ops (the recipes' settings), and litgpt compiled as its pretrain runs it                      (<= 300 s)
 #   fit     fit_throughput at 100M through `fit` with the recipe (fused loss and ops), baseline and MHAR, against
@@ -42,8 +43,9 @@ fi
 
 if wants decode; then
   DECODE=(--models 350M-standard 350M-mhar-h8 --batches 1 16 --prompts 128 --new-tokens 128 --reps 3 --commit "$COMMIT")
-  part_end=$(( $(date +%s) + 200 ))
-  for spec in "default:--peers eager" "plain_ops:--peers --plain-ops" \
+  part_end=$(( $(date +%s) + 260 ))
+  for spec in "default:--models 350M-standard 350M-mhar-h8 qwen3-0.6b-delta-h8 --peers eager" \
+              "plain_ops:--peers --plain-ops" \
               "long_prompt:--batches 16 --prompts 1024 --new-tokens 16 --peers eager"; do
     IFS=: read -r name flags <<< "$spec"
     left=$(limit $(( part_end - $(date +%s) )))
