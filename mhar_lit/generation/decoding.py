@@ -1,11 +1,12 @@
 """Incremental decoding with a KV cache: `prefill`, `decode_step` and the batched `generate` loop.
 
 Every residual strategy decodes with the same per-layer key/value cache (see mhar_lit.generation.cache for
-why): the strategy's loop runs on the new tokens only. Decode steps route on the PyTorch backend
-(`decode_routing`): one token's routing is a tiny problem, and the fused kernels' shared-buffer schedules
-assume a full forward. The prefill routes on the decode routers too: full mode's Triton router gave NaN logits
-for a padded prefill on an H100 (docs/LOG.md, 2026-12-07), so it is not used here until a GPU test says it
-computes the decode router's function.
+why): the strategy's loop runs on the new tokens only. Decode steps route with the decode routers
+(`decode_routing`; mhar_lit.generation.routing, on CUDA through the decode kernels of
+mhar_lit.kernels.decode_routing): one token's routing is a tiny problem, and the training kernels'
+shared-buffer schedules assume a full forward. The prefill routes on the decode routers too: the training
+forward's Triton router gave NaN logits for a padded prefill on an H100 (docs/LOG.md, 2026-12-07), so it is not
+used here until a GPU test says it computes the decode router's function.
 
 Two token loops, the same tokens (tested):
 
