@@ -11,6 +11,9 @@ UI_MLFLOW := $(UI_VENV)/bin/mlflow
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: test demo install ui ui-venv browser clean
+# Two jobs: the training venv and the UI venv install side by side (a fresh clone's `make test` spends minutes
+# in pip); recipes of one target still run in order.
+MAKEFLAGS += --jobs=2
 
 install: $(STAMP)
 
