@@ -225,18 +225,30 @@ def test_decode_ops_switch_the_fused_kernels_only_where_asked_and_restore():
     assert model.fused_ops
     with decode_ops(torch.nn.Linear(2, 2), True):  # not a DecoderLM: nothing to switch
         pass
+    model.fused_ops = False
+    first_norm = model._fusable_modules()[0]
+    first_norm.fused_ops = True  # a mixed setting: one module fused
+    with decode_ops(model, False):
+        assert not first_norm.fused_ops
+    assert [m.fused_ops for m in model._fusable_modules()][:2] == [True, False]
 
 
 def test_generate_fuses_ops_on_cuda_only_where_triton_compiles(monkeypatch):
     """None means fused on CUDA with liger-kernel installed, except under Triton's interpreter, whose host copies a
-    captured decode step cannot hold; never on the CPU."""
+    captured decode step cannot hold, and for fp64 weights; never on the CPU."""
     from mhar_lit.generation.decoding import _fused_ops_compile
 
     pytest.importorskip("liger_kernel")
     for interpret, on_cuda in (("1", False), ("0", True)):
         monkeypatch.setenv("TRITON_INTERPRET", interpret)
-        assert _fused_ops_compile(torch.device("cuda")) == on_cuda
-        assert not _fused_ops_compile(torch.device("cpu"))
+        assert not _fused_ops_compile(torch.empty(0, dtype=torch.bfloat16))  # the CPU: plain ops
+        assert _fused_ops_compile(_cuda_weight(torch.bfloat16)) == on_cuda
+        assert not _fused_ops_compile(_cuda_weight(torch.float64))  # liger computes in fp32: fp64 stays plain
+
+
+def _cuda_weight(dtype: torch.dtype):
+    """A stand-in for a CUDA weight: the check reads only its device and dtype (no GPU needed)."""
+    return type("Weight", (), {"device": torch.device("cuda"), "dtype": dtype})()
 
 
 # ---------------------------------------------------------------------------------------------- token loops
@@ -333,3 +345,15 @@ def test_stop_matcher_searches_only_new_text_but_across_pushes():
     assert matcher.found("abc\n\n")
     matcher = StopMatcher(["END"])
     assert [matcher.found(t) for t in ("E", "EN", "ENx", "ENxE", "ENxEND")] == [False, False, False, False, True]
+
+
+def test_a_full_decode_pass_refuses_a_source_past_its_sites():
+    """The kernels' add writes at the slot it is given: the router checks the room first, in both paths."""
+    heads, sites, shape = 2, 3, (1, 1, 8)
+    query, norm = torch.randn(sites, 8), torch.ones(sites, 8)
+    for kernels in (False, True):
+        router = DecodeFullRouter(heads, 1e-6, kernels=kernels)
+        state = router.begin(torch.randn(shape), query, norm)
+        state.count = sites  # every site's source is in (the check reads only the count)
+        with pytest.raises(RuntimeError, match="has no room for source 4"):
+            router.add(state, torch.randn(shape))

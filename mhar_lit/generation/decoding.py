@@ -74,23 +74,27 @@ def decode_ops(model: torch.nn.Module, fused_ops: Optional[bool]) -> Iterator[No
     """The model's elementwise ops while generating: liger's fused kernels if `fused_ops` (None: where they run
     compiled, _fused_ops_compile, or the model has them on), else the plain ops; the model's setting is restored
     after."""
-    before = getattr(model, "fused_ops", None)
-    if before is None:  # not a DecoderLM: nothing to switch
+    if getattr(model, "fused_ops", None) is None:  # not a DecoderLM: nothing to switch
         yield
         return
+    before = [(module, module.fused_ops) for module in model._fusable_modules()]  # a mixed setting comes back too
     if fused_ops is None:
-        fused_ops = before or _fused_ops_compile(model.embed_tokens.weight.device)
+        fused_ops = model.fused_ops or _fused_ops_compile(model.embed_tokens.weight)
     model.fused_ops = fused_ops
     try:
         yield
     finally:
-        model.fused_ops = before
+        for module, enabled in before:
+            module.fused_ops = enabled
 
 
-def _fused_ops_compile(device: torch.device) -> bool:
-    """Whether liger's kernels run compiled for a model on `device`: CUDA, liger-kernel installed, and not Triton's
+def _fused_ops_compile(weight: Tensor) -> bool:
+    """Whether liger's kernels run compiled for a model whose weights are like `weight`: CUDA, a 16- or 32-bit
+    float dtype (liger computes in fp32: an fp64 model stays plain), liger-kernel installed, and not Triton's
     interpreter (TRITON_INTERPRET=1, the tests' setting), whose host copies a CUDA graph cannot capture."""
-    if device.type != "cuda" or importlib.util.find_spec("liger_kernel") is None:
+    if weight.device.type != "cuda" or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if importlib.util.find_spec("liger_kernel") is None:
         return False
     from mhar_lit.kernels.host import interpreting
 
@@ -195,7 +199,9 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
     ids, mask = left_pad(prompts, pad_id, device)
     cache = KVCache.for_model(model, len(prompts), cache_length(ids.shape[1], steps))
     rows = _Rows(len(prompts), eos_ids, stop, decode)
-    with decode_routing(model), decode_ops(model, fused_ops):
+    # Triton launches on the current CUDA device: make it the model's (a model on cuda:1)
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_device, decode_routing(model), decode_ops(model, fused_ops):
         logits = prefill(model, ids, mask, cache)
         if mode == "eager":
             _host_loop(model, cache, logits, steps, sampling, generator, rows, on_step)

@@ -107,6 +107,8 @@ class DecodeFullRouter(DepthRouter):
 
     def add(self, state: _DecodeFullState, output: Tensor) -> _DecodeFullState:
         index = state.count
+        if index >= state.values.shape[0]:  # the kernel would write past the buffer where indexing would raise
+            raise RuntimeError(f"a pass of {state.values.shape[0]} sites has no room for source {index + 1}")
         if state.kernels:
             from mhar_lit.kernels import decode_routing
 
