@@ -9,8 +9,9 @@ PyTorch decode router (benchmarks/results/speed_probe_2026-12-07).
 
 The softmax is online over blocks of sources (fp32 state), so the result equals the PyTorch router's up to fp32
 rounding order, before the one rounding to the storage dtype. Keys are F.rms_norm's up to the fp32 rounding of
-1 / sqrt (compiled, Triton's sqrt and division are not correctly rounded): at times one storage ulp apart. No tensor-core products (the problem is a dot
-product per source and head): the kernels take any head width and any number of rows and sources.
+1 / sqrt (compiled, Triton's sqrt and division are not correctly rounded): at times one storage ulp apart. No
+tensor-core products (the problem is a dot product per source and head): the kernels take any head width and any
+number of rows and sources.
 """
 
 from __future__ import annotations
