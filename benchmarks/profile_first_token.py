@@ -15,7 +15,6 @@ transformers Qwen3 of their shape.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -27,22 +26,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.decode import build_models, environment, peer_call, synchronize, write  # noqa: E402
+from benchmarks.decode import build_models, environment, peer_call, synchronize, timed, write  # noqa: E402
 from mhar_lit.generation import generate  # noqa: E402
 
 TOP = 12
-
-
-def wall_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def profiled(fn: Callable[[], Any], device: torch.device) -> dict[str, Any]:
@@ -84,7 +71,7 @@ def cases(contenders, batches: list[int], prompts: list[int], reps: int) -> list
                     peers_done.add((c.peer_key, batch, prompt))
                     runs.append((f"transformers-{c.peer_key}", peer_call(c.peer, ids.to(device), 1, False)))
                 for name, fn in runs:
-                    row = {"model": name, "batch": batch, "prompt": prompt, "wall_ms": wall_ms(fn, device, reps)}
+                    row = {"model": name, "batch": batch, "prompt": prompt, "wall_ms": 1e3 * timed(fn, device, reps)[0]}
                     row.update(profiled(fn, device))
                     rows.append(row)
                     print(f"{name:26s} B{batch:<3d} T{prompt:<5d} wall {row['wall_ms']:7.1f} ms  "

@@ -25,7 +25,6 @@ Two token loops, the same tokens (tested):
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
@@ -35,7 +34,7 @@ from torch import Tensor
 
 from mhar_lit.generation.cache import KVCache
 from mhar_lit.generation.graph import CapturedStep
-from mhar_lit.generation.routing import DecodeCallRouter, DecodeFullRouter
+from mhar_lit.generation.routing import DecodeCallRouter, DecodeFullRouter, decode_kernels_apply
 from mhar_lit.generation.sampling import Sampling, next_tokens
 from mhar_lit.generation.text import IncrementalText, StopMatcher
 
@@ -89,16 +88,9 @@ def decode_ops(model: torch.nn.Module, fused_ops: Optional[bool]) -> Iterator[No
 
 
 def _fused_ops_compile(weight: Tensor) -> bool:
-    """Whether liger's kernels run compiled for a model whose weights are like `weight`: CUDA, a 16- or 32-bit
-    float dtype (liger computes in fp32: an fp64 model stays plain), liger-kernel installed, and not Triton's
-    interpreter (TRITON_INTERPRET=1, the tests' setting), whose host copies a CUDA graph cannot capture."""
-    if weight.device.type != "cuda" or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    if importlib.util.find_spec("liger_kernel") is None:
-        return False
-    from mhar_lit.kernels.host import interpreting
-
-    return not interpreting()
+    """Whether liger's kernels run compiled for a model whose weights are like `weight` (decode_kernels_apply with
+    liger-kernel; an fp64 model stays plain, as liger computes in fp32)."""
+    return decode_kernels_apply(weight, "liger_kernel")
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0,

@@ -44,13 +44,13 @@ def normalized_key(source: Tensor, eps: float) -> Tensor:
     return F.rms_norm(source, (source.shape[-1],), eps=eps)
 
 
-def decode_kernels_apply(x: Tensor) -> bool:
-    """Whether full mode's decode routing runs on its Triton kernels (mhar_lit.kernels.decode_routing) for
-    activations like x: CUDA tensors of a 16- or 32-bit float dtype, with Triton installed and compiling (not
-    its interpreter, whose host copies a captured decode step cannot hold)."""
-    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+def decode_kernels_apply(x: Tensor, package: str = "triton") -> bool:
+    """Whether Triton kernels (the decode routing's of mhar_lit.kernels.decode_routing, or those of `package`)
+    run compiled for tensors like x: CUDA tensors of a 16- or 32-bit float dtype, the package installed, and not
+    Triton's interpreter, whose host copies a captured decode step cannot hold."""
+    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    if importlib.util.find_spec("triton") is None:
+    if importlib.util.find_spec(package) is None:
         return False
     from mhar_lit.kernels.host import interpreting
 
