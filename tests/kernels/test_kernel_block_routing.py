@@ -78,7 +78,6 @@ def test_wide_head_fp32_error_is_torch_fp32_sized():
             f"(seed {gen.initial_seed()})")
 
 
-@pytest.mark.slow
 def test_float64_equals_reference_and_gradcheck():
     gen = fresh_generator()
     problem = block_mode_problem(3, 6, gen, b=1, t=2)
@@ -93,7 +92,11 @@ def test_float64_equals_reference_and_gradcheck():
         site_fn = lambda s, new: routing.route(s, new, *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
         return block_stack_loss(site_fn, e, mats, dout)
 
-    assert torch.autograd.gradcheck(fn, tuple(leaf(emb, q, g)), eps=1e-6, atol=1e-6, rtol=1e-5)
+    # fast_mode: a random projection v^T J u of the Jacobian, numerical against analytical (~1 s in the interpreter
+    # instead of ~16 s for every entry). It still fails for dq or dg 1% off and for one entry of one source's
+    # gradient 1% off (checked by hand, 2026-12-08); entry-wise float64 equality with the PyTorch router is the
+    # assertion above.
+    assert torch.autograd.gradcheck(fn, tuple(leaf(emb, q, g)), eps=1e-6, atol=1e-6, rtol=1e-5, fast_mode=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

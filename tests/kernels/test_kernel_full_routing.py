@@ -306,7 +306,6 @@ def test_misaligned_outside_tensors_route_the_same(column_impl):
     assert all(torch.equal(a, b) for a, b in zip(*results)), f"seed {gen.initial_seed()}"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_float64_gradcheck(impl):
     gen = fresh_generator()
@@ -317,7 +316,11 @@ def test_float64_gradcheck(impl):
         site_fn = lambda s, src: routing.route(s, src[-1], *((qq, gg) if s == 0 else (None, None)))  # noqa: E731
         return full_mode_loss(site_fn, e, qq, gg, mats, dout)
 
-    assert torch.autograd.gradcheck(fn, tuple(leaf(emb, q, g)), eps=1e-6, atol=1e-6, rtol=1e-5)
+    # fast_mode: a random projection v^T J u of the Jacobian, numerical against analytical (~1 s in the interpreter
+    # instead of ~16 s for every entry). It still fails for dq or dg 1% off and for one entry of one source's
+    # gradient 1% off (checked by hand, 2026-12-08); entry-wise float64 equality with the PyTorch router is
+    # test_decoder_triton_equals_torch_with_gradient_accumulation's.
+    assert torch.autograd.gradcheck(fn, tuple(leaf(emb, q, g)), eps=1e-6, atol=1e-6, rtol=1e-5, fast_mode=True)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
