@@ -28,10 +28,9 @@ from typing import Any, Optional
 import torch
 import triton
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from mhar_lit.kernels import block as block_kernels
-from mhar_lit.kernels.host import (accumulator, aligned, check_site_params, check_storage_dtype, pow2,
+from mhar_lit.kernels.host import (SiteFunction, accumulator, aligned, check_site_params, check_storage_dtype, pow2,
                                    split_w, tile_tokens)
 from mhar_lit.kernels.tuning import (BLOCK_PASS_WARPS, PIPELINE_STAGES, PIPELINED_FORWARD_MIN_TOKENS,
                                      PROJECT_TOKENS, QUERY_GRAD_TOKENS, BlockRoutingConfig, column_slice,
@@ -103,7 +102,7 @@ class BlockRouting:
         there)."""
         if site == 0 and (query_SD is None or norm_weight_SD is None):
             raise ValueError("site 0 must receive the full query and norm_weight parameters")
-        return _BlockSiteFunction.apply(self, site, new_BTD, query_SD, norm_weight_SD)
+        return SiteFunction.apply(self, site, new_BTD, query_SD, norm_weight_SD)
 
     def sources_view(self, site: int) -> Tensor:
         """The sources of `site` as [N, B, T, D] (a copy; monitors, during the forward)."""
@@ -244,23 +243,3 @@ class BlockRouting:
             "G": torch.empty(max(blocks - 1, 1), p, d, **acc),
             "next_dsrc": None,  # the dsrc of the site after the current one (the gradient of its partial sum)
         }
-
-
-class _BlockSiteFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, routing: BlockRouting, site: int, new_BTD: Tensor, query_SD: Optional[Tensor],
-                norm_weight_SD: Optional[Tensor]) -> Tensor:
-        ctx.routing, ctx.site, ctx.new_dtype = routing, site, new_BTD.dtype
-        out_BTD = routing.forward_site(site, new_BTD)
-        final = site == routing.n_sites - 1
-        ctx.save_for_backward(out_BTD, *(routing.saved_state() if final else ()))
-        return out_BTD
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout_BTD: Tensor):
-        out_BTD, *state = ctx.saved_tensors
-        if state:
-            ctx.routing.restore(*state)
-        dsrc, dq, dg = ctx.routing.backward_site(ctx.site, out_BTD, dout_BTD)
-        return None, None, dsrc.to(ctx.new_dtype), dq, dg

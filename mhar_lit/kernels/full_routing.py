@@ -44,10 +44,10 @@ from typing import Any, Optional
 import torch
 import triton
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from mhar_lit.kernels import full_backward, full_forward
-from mhar_lit.kernels.host import accumulator, aligned, check_site_params, dot_dim, pow2, split_w, tile_tokens
+from mhar_lit.kernels.host import (SiteFunction, accumulator, aligned, check_site_params, dot_dim, pow2, split_w,
+                                   tile_tokens)
 from mhar_lit.kernels.tuning import (DOT_TOKENS, PROJECT_TOKENS, SUFFIX_SITE_BLOCK, FullRoutingConfig, column_slice,
                                      dot_split, make_config)
 
@@ -125,7 +125,7 @@ class FullRouting:
         full query and key-norm parameters so that autograd delivers their gradients there."""
         if site == 0 and (query_SD is None or norm_weight_SD is None):
             raise ValueError("site 0 must receive the full query and norm_weight parameters")
-        return _FullSiteFunction.apply(self, site, source_BTD, query_SD, norm_weight_SD)
+        return SiteFunction.apply(self, site, source_BTD, query_SD, norm_weight_SD)
 
     def sources_view(self, upto: int) -> Tensor:
         """The first `upto` buffered sources as [N, B, T, D] (read-only use: monitors, during the forward)."""
@@ -343,25 +343,3 @@ class FullRouting:
             BLOCK_T=DOT_TOKENS, K_B=self.k_b, S_P=dot_dim(n), ACC=self.acc_tl, PREC=self.prec, num_warps=4,
         )
         return a_part.sum(0)
-
-
-class _FullSiteFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, routing: FullRouting, site: int, source_BTD: Tensor, query_SD: Optional[Tensor],
-                norm_weight_SD: Optional[Tensor]) -> Tensor:
-        ctx.routing, ctx.site = routing, site
-        out_BTD = routing.forward_site(site, source_BTD)
-        # Saved through autograd, not kept on `routing`: freed as the backward passes (or kept for a rerun
-        # with retain_graph). The final site also saves the shared state (rows, statistics, logits).
-        final = site == routing.n_sites - 1
-        ctx.save_for_backward(out_BTD, *(routing.saved_state() if final else ()))
-        return out_BTD
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout_BTD: Tensor):
-        out_BTD, *state = ctx.saved_tensors
-        if state:
-            ctx.routing.restore(*state)
-        dsrc, dq, dg = ctx.routing.backward_site(ctx.site, out_BTD, dout_BTD)
-        return None, None, dsrc, dq, dg

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from typing import Any, Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # Elements of one register tile; fixes tokens per program for a padded head width (see tile_tokens).
@@ -96,3 +98,29 @@ def tile_tokens(row_elements: int, tile_elements: int = TILE_ELEMENTS, limit: in
     """Tokens per program (a power of two, as tl.arange needs) so that tokens x row width is about
     tile_elements."""
     return pow2_floor(max(1, min(limit, tile_elements // row_elements)))
+
+
+class SiteFunction(torch.autograd.Function):
+    """One site of a per-pass routing object (FullRouting, BlockRouting) as an autograd node:
+    apply(routing, site, source_BTD, query_SD, norm_weight_SD). Only site 0 gets the parameters, so their gradients
+    (summed over every site by the routing's backward) arrive there once. Each site saves its output through
+    autograd, not on `routing`, so it is freed as the backward passes (or kept for a rerun with retain_graph); the
+    final site also saves the shared state (rows, statistics, logits)."""
+
+    @staticmethod
+    def forward(ctx, routing: Any, site: int, source_BTD: Tensor, query_SD: Optional[Tensor],
+                norm_weight_SD: Optional[Tensor]) -> Tensor:
+        ctx.routing, ctx.site, ctx.source_dtype = routing, site, source_BTD.dtype
+        out_BTD = routing.forward_site(site, source_BTD)
+        final = site == routing.n_sites - 1
+        ctx.save_for_backward(out_BTD, *(routing.saved_state() if final else ()))
+        return out_BTD
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout_BTD: Tensor):
+        out_BTD, *state = ctx.saved_tensors
+        if state:
+            ctx.routing.restore(*state)
+        dsrc, dq, dg = ctx.routing.backward_site(ctx.site, out_BTD, dout_BTD)
+        return None, None, dsrc.to(ctx.source_dtype), dq, dg
