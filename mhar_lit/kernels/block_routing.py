@@ -30,8 +30,8 @@ import triton
 from torch import Tensor
 
 from mhar_lit.kernels import block as block_kernels
-from mhar_lit.kernels.host import (SiteFunction, accumulator, aligned, check_site_params, check_storage_dtype, pow2,
-                                   split_w, tile_tokens)
+from mhar_lit.kernels.host import (accumulator, aligned, check_site_params, check_storage_dtype, pow2,
+                                   route_site, split_w, tile_tokens)
 from mhar_lit.kernels.tuning import (BLOCK_PASS_WARPS, PIPELINE_STAGES, PIPELINED_FORWARD_MIN_TOKENS,
                                      PROJECT_TOKENS, QUERY_GRAD_TOKENS, BlockRoutingConfig, column_slice,
                                      make_config)
@@ -100,9 +100,7 @@ class BlockRouting:
         """Output of `site`; `new_BTD` is y_{site-1}, the previous sublayer's output (site 0: the embedding).
         Site 0 must also get the full query and key-norm parameters (autograd delivers their gradients
         there)."""
-        if site == 0 and (query_SD is None or norm_weight_SD is None):
-            raise ValueError("site 0 must receive the full query and norm_weight parameters")
-        return SiteFunction.apply(self, site, new_BTD, query_SD, norm_weight_SD)
+        return route_site(self, site, new_BTD, query_SD, norm_weight_SD)
 
     def sources_view(self, site: int) -> Tensor:
         """The sources of `site` as [N, B, T, D] (a copy; monitors, during the forward)."""

@@ -46,8 +46,8 @@ import triton
 from torch import Tensor
 
 from mhar_lit.kernels import full_backward, full_forward
-from mhar_lit.kernels.host import (SiteFunction, accumulator, aligned, check_site_params, dot_dim, pow2, split_w,
-                                   tile_tokens)
+from mhar_lit.kernels.host import (accumulator, aligned, check_site_params, dot_dim, pow2, route_site,
+                                   split_w, tile_tokens)
 from mhar_lit.kernels.tuning import (DOT_TOKENS, PROJECT_TOKENS, SUFFIX_SITE_BLOCK, FullRoutingConfig, column_slice,
                                      dot_split, make_config)
 
@@ -123,9 +123,7 @@ class FullRouting:
               norm_weight_SD: Optional[Tensor] = None) -> Tensor:
         """Output of `site`; `source_BTD` is the source that site brings (S_site). Site 0 must also get the
         full query and key-norm parameters so that autograd delivers their gradients there."""
-        if site == 0 and (query_SD is None or norm_weight_SD is None):
-            raise ValueError("site 0 must receive the full query and norm_weight parameters")
-        return SiteFunction.apply(self, site, source_BTD, query_SD, norm_weight_SD)
+        return route_site(self, site, source_BTD, query_SD, norm_weight_SD)
 
     def sources_view(self, upto: int) -> Tensor:
         """The first `upto` buffered sources as [N, B, T, D] (read-only use: monitors, during the forward)."""

@@ -124,3 +124,11 @@ class SiteFunction(torch.autograd.Function):
             ctx.routing.restore(*state)
         dsrc, dq, dg = ctx.routing.backward_site(ctx.site, out_BTD, dout_BTD)
         return None, None, dsrc.to(ctx.source_dtype), dq, dg
+
+
+def route_site(routing: Any, site: int, source_BTD: Tensor, query_SD: Optional[Tensor],
+               norm_weight_SD: Optional[Tensor]) -> Tensor:
+    """A routing object's `route`: site 0 must get the full query and key-norm parameters (SiteFunction)."""
+    if site == 0 and (query_SD is None or norm_weight_SD is None):
+        raise ValueError("site 0 must receive the full query and norm_weight parameters")
+    return SiteFunction.apply(routing, site, source_BTD, query_SD, norm_weight_SD)
