@@ -67,14 +67,16 @@ def test_case_logs_carry_each_line_s_time_and_a_case_past_its_time_is_killed(tmp
     assert rc == 124 and seconds < 20
 
 
-def test_the_routing_matrix_splits_by_dtype_only_on_a_large_card():
+def test_the_routing_matrix_splits_by_dtype_only_on_a_large_card_and_the_small_shape_runs_apart():
     """Two matrix processes hold two sets of float64 references: only where the memory is there for both."""
     script = _script()
     small, large = script.gpu_test_groups(80), script.gpu_test_groups(140)
-    assert [name for name in small if "matrix" in name] == ["tests: GPU routing matrix"]
+    narrow = {"tests: GPU routing matrix, small model": ["tests/test_gpu_routing_matrix.py", "-k", "narrow"]}
+    whole = {name: files for name, (files, _) in small.items() if "matrix" in name}
+    assert whole == {"tests: GPU routing matrix": ["tests/test_gpu_routing_matrix.py", "-k", "not narrow"], **narrow}
     split = {name: files for name, (files, _) in large.items() if "matrix" in name}
-    assert split == {f"tests: GPU routing matrix {d}": ["tests/test_gpu_routing_matrix.py", "-k", d]
-                     for d in ("fp32", "bf16")}
+    assert split == {**{f"tests: GPU routing matrix {d}": ["tests/test_gpu_routing_matrix.py", "-k", f"{d} and not narrow"]
+                        for d in ("fp32", "bf16")}, **narrow}
     assert small["tests: CUDA graph and generation"] == large["tests: CUDA graph and generation"]
     files, env = small["tests: compiled fused ops and generation"]  # compiled, as users run them
     assert env == {"TRITON_INTERPRET": "0"}
