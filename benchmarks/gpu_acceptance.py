@@ -7,7 +7,8 @@ benchmarks/results/gpu_acceptance.json (or --out): `commit`, `device`, `date`, `
 
 Time: on an H100 the whole run took 430 s in one call at f0043be (2026-12-07), with the cases after the first
 fit two at a time and the routing matrix (one process on an 80 GB card) the longest case at 430 s; 500 s before,
-with the cases one at a time. On a card with over 100 GiB the matrix splits by dtype (not yet timed).
+with the cases one at a time. On a card with over 100 GiB the matrix splits by dtype (not yet timed). The
+matrix's small-model shape (heads 4 to 64 wide) runs as a group of its own, beside it (not yet timed).
 Resuming: every call also keeps its report in --work; a later call on the same warm machine, at the same commit
 and device, carries over the cases that passed there (marked `carried_from`, the earlier call's date) and runs the
 rest, so two calls under the limit give one complete report.
