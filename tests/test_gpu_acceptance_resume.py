@@ -1,5 +1,6 @@
 """benchmarks/gpu_acceptance.py resumes on a warm machine: a later call at the same commit, device and torch carries
-over the cases an earlier call passed and runs the rest; anything else starts afresh."""
+over the cases an earlier call passed and runs the rest; anything else starts afresh. Also the groups it runs and the
+generate case's rule for greedy tokens that differ by a tie."""
 
 import importlib.util
 import json
@@ -104,3 +105,27 @@ def test_each_fit_starts_from_a_copy_of_one_migrated_mlflow_store(tmp_path):
     run = client.create_run(client.create_experiment("fit"))
     client.log_metric(run.info.run_id, "train/loss", 1.0)
     assert client.get_run(run.info.run_id).data.metrics == {"train/loss": 1.0}
+
+
+def test_greedy_gaps_pass_greedy_tokens_and_name_a_wrong_one():
+    """The generate case's fallback when the GPU's token ids differ from the CPU's: the GPU's tokens must be the CPU
+    full forward's greedy choices up to ties. Greedy tokens from the cached loop have gap 0 (to rounding); one token
+    replaced by the forward's least likely is far over the tie bound."""
+    import torch
+
+    from mhar_lit.generation import generate
+    from mhar_lit.config import ModelConfig
+    from mhar_lit.models.decoder import DecoderLM
+    from mhar_lit.residual import FullAttnRes
+
+    script = _script()
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig.from_name("tiny-4l"), FullAttnRes(heads=4)).eval()
+    prompts = [[5, 9, 2, 7], [3, 1]]
+    rows = generate(model, prompts, 8)
+    assert max(script.greedy_gaps(model, prompts, rows)) <= 1e-5
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[1] + rows[1][:3]]))[0, -1]
+    wrong = [rows[0], rows[1][:3] + [int(logits.argmin())] + rows[1][4:]]
+    gaps = script.greedy_gaps(model, prompts, wrong)
+    assert gaps[0] <= 1e-5 and gaps[1] > 100 * script.GREEDY_TIE
