@@ -1,6 +1,7 @@
 """Decode speed of mhar_lit's `generate` against transformers' `generate` in the same run.
 
     python benchmarks/decode.py --budget-s 540                      the full grid on CUDA, bf16, until the budget
+    python benchmarks/decode.py --budget-s 540 --resume             the same again: only the cases not yet in --out
     python benchmarks/decode.py --models qwen3-0.6b-delta-h8 --batches 1 --prompts 128 --new-tokens 128
     python benchmarks/decode.py --dry-run --out /tmp/decode.json    tiny shapes on the CPU (the test runs this)
     python benchmarks/decode.py --compile-step ...                   an experiment: our step compiled, then captured
@@ -24,6 +25,10 @@ mode="reduce-overhead")); the compiled column's warm-up compiles (again for ever
 Cases run in priority order (prompt 128 / 128 new first, then prompt 1,024, then 512 new) so that a budget
 cut keeps the most telling ones; `--budget-s` stops before a case that the previous case's duration says would
 not fit, and the JSON is rewritten after every case, so a run that is killed still leaves what it measured.
+The whole grid (40 cases, the compiled peer recompiling for every batch and cache length) takes several device
+calls: `--resume` keeps the cases of --out when it was measured at the same commit, device, versions and settings
+(RESUME_IDENTITY; anything else is refused, never overwritten) and measures only the others, each case still with
+its peers in the same process; `calls` lists each call's date and the cases it added.
 
 Before timing, each model's greedy tokens in --mode are checked against the eager reference loop
 (`same_tokens_as_eager_mode`). JSON (default benchmarks/results/decode.json): commit, device, versions, date,
@@ -240,14 +245,38 @@ def case_order(models: list[str], batches: list[int], prompts: list[int], new_to
     return [(m, b, p, n) for n in sorted(new_tokens) for p in sorted(prompts) for b in sorted(batches) for m in models]
 
 
+RESUME_IDENTITY = ("commit", "device", "torch", "transformers", "dtype", "mode", "compile_step", "plain_ops", "reps",
+                   "dry_run")
+
+
+def case_key(case: dict) -> tuple:
+    return case["model"], case["batch"], case["prompt"], case["new_tokens"]
+
+
+def earlier_cases(out: Path, report: dict) -> list[dict]:
+    """The cases already in `out` (--resume), when it was measured with this report's identity and peers; a report
+    of other settings is refused (ValueError, one line), so that it is never mixed in or overwritten."""
+    if not out.is_file():
+        return []
+    earlier = json.loads(out.read_text())
+    differ = [f"{key} {earlier.get(key)!r} there, {report.get(key)!r} here" for key in RESUME_IDENTITY
+              if earlier.get(key) != report.get(key)]
+    if earlier.get("grid", {}).get("peers") != report["grid"]["peers"]:
+        differ.append(f"peers {earlier.get('grid', {}).get('peers')!r} there, {report['grid']['peers']!r} here")
+    if differ:
+        raise ValueError(f"--resume: {out} was measured otherwise ({'; '.join(differ)}); pass another --out")
+    return earlier["cases"]
+
+
 def run_cases(order: list[tuple], measure: Callable[..., dict], report: dict, budget_s: Optional[float],
               start: float, save: Callable[[], None], clock: Callable[[], float] = time.perf_counter) -> None:
-    """Measure the cases in order into report["cases"], saving after each; stop before a case that would end past
-    budget_s seconds from `start` if it lasted as long as the previous one (report["stopped"] says so)."""
-    last_case_s = 0.0
+    """Measure the cases in order into report["cases"] (after any it holds), saving after each; stop before a case
+    that would end past budget_s seconds from `start` if it lasted as long as the previous one (report["stopped"]
+    says so)."""
+    last_case_s, total = 0.0, len(report["cases"]) + len(order)
     for case in order:
         if budget_s is not None and clock() - start + last_case_s > budget_s:
-            report["stopped"] = f"budget of {budget_s:g} s reached after {len(report['cases'])} of {len(order)} cases"
+            report["stopped"] = f"budget of {budget_s:g} s reached after {len(report['cases'])} of {total} cases"
             return
         case_start = clock()
         report["cases"].append(measure(*case))
@@ -308,6 +337,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop before a case that would end after this many seconds; write what was measured")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
+    p.add_argument("--resume", action="store_true",
+                   help="keep the cases already in --out (same commit, device, versions and settings) and measure "
+                        "the rest of the grid")
     p.add_argument("--commit", default=None, help="the commit to record when the tree has no git history")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes on the CPU (decode mode 'device', the static cache not compiled)")
@@ -336,17 +368,29 @@ def main(argv: Optional[list[str]] = None) -> int:
               "transformers_compiled": ("static cache, not compiled (dry run)" if args.dry_run else
                                         "static cache, CompileConfig(fullgraph=True, mode='reduce-overhead')"),
               "complete": False, "cases": []}
+    order = case_order(args.models, args.batches, args.prompts, args.new_tokens)
+    earlier = json.loads(out.read_text()) if args.resume and out.is_file() else {}
+    if earlier:
+        try:
+            report["cases"] = earlier_cases(out, report)
+        except ValueError as error:
+            print(f"decode.py: error: {error}", file=sys.stderr)
+            return 2
+        done = {case_key(case) for case in report["cases"]}
+        order = [case for case in order if case not in done]
+        report["same_tokens_as_eager_mode"] = earlier.get("same_tokens_as_eager_mode", {})
+    report["calls"] = [*earlier.get("calls", []), {"date": report["date"], "cases_before": len(report["cases"])}]
+    models = [name for name in args.models if any(case[0] == name for case in order)]  # only those still to measure
     with tempfile.TemporaryDirectory(prefix="decode-bench-") as workdir:
-        contenders = {c.name: c for c in build_models(args.models, device, dtype, args.dry_run, Path(workdir))}
+        contenders = {c.name: c for c in build_models(models, device, dtype, args.dry_run, Path(workdir))}
     report["setup_s"] = time.perf_counter() - start
     eager = {name: check_tokens(c.ours, "eager") for name, c in contenders.items()}  # before any compile
     if args.compile_step:
         compile_decode_step()
-    report["same_tokens_as_eager_mode"] = {name: check_tokens(c.ours, args.mode) == eager[name]
-                                           for name, c in contenders.items()}
+    report.setdefault("same_tokens_as_eager_mode", {}).update(
+        {name: check_tokens(c.ours, args.mode) == eager[name] for name, c in contenders.items()})
     write(out, report)
     peer_cache: dict = {}
-    order = case_order(args.models, args.batches, args.prompts, args.new_tokens)
 
     def measure(model, batch, prompt, new):
         case = measure_case(contenders[model], batch, prompt, new, args, peer_cache)

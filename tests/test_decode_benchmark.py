@@ -1,5 +1,5 @@
-"""benchmarks/decode.py: the CPU dry run writes the JSON the issue specifies, and a time budget stops between
-cases with what was measured saved."""
+"""benchmarks/decode.py: the CPU dry run writes every case with the fields the results JSON promises, a time budget stops between cases with
+what was measured saved, and --resume measures only the cases its JSON lacks."""
 
 import json
 import os
@@ -38,6 +38,32 @@ def test_dry_run_writes_every_case(tmp_path):
     # the converted model at its identity init in fp32 decodes transformers' greedy tokens on every row
     assert [c["same_greedy_tokens"] for c in cases if c["model"].startswith("qwen3")] == [1, 2]
     assert all(c["same_greedy_tokens"] is None for c in cases if not c["model"].startswith("qwen3"))
+
+    # --resume measures only what --out lacks (here the last case), and keeps the rest as it was
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import decode
+
+    out.write_text(json.dumps({**report, "cases": cases[:-1], "complete": False}))
+    assert decode.main(["--dry-run", "--out", str(out), "--resume"]) == 0
+    resumed = json.loads(out.read_text())
+    assert resumed["complete"] and resumed["cases"][:-1] == cases[:-1] and len(resumed["cases"]) == len(cases)
+    assert (resumed["cases"][-1]["model"], resumed["cases"][-1]["batch"]) == ("350M-mhar-h8", 2)
+    assert [call["cases_before"] for call in resumed["calls"]] == [0, 5]
+    assert resumed["same_tokens_as_eager_mode"] == report["same_tokens_as_eager_mode"]
+
+
+def test_resume_refuses_a_report_of_other_settings(tmp_path, capsys):
+    """Cases measured with other settings are never mixed in, and the file is left as it was."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import decode
+
+    out = tmp_path / "decode.json"
+    out.write_text(json.dumps({"commit": "0000000", "reps": 3, "grid": {"peers": ["eager"]}, "cases": [{"model": "x"}]}))
+    before = out.read_text()
+    assert decode.main(["--dry-run", "--out", str(out), "--resume", "--commit", "1111111"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "commit '0000000' there, '1111111' here" in err and "pass another --out" in err
+    assert out.read_text() == before
 
 
 def test_budget_stops_between_cases_and_keeps_what_was_measured():
