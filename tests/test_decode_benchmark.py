@@ -1,5 +1,5 @@
-"""benchmarks/decode.py: the CPU dry run writes every case with the fields the results JSON promises, a time budget stops between cases with
-what was measured saved, and --resume measures only the cases its JSON lacks."""
+"""benchmarks/decode.py: the CPU dry run writes every case with the fields its JSON promises, a time budget stops
+between cases with what was measured saved, and --resume measures only the cases its JSON lacks."""
 
 import json
 import os
