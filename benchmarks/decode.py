@@ -253,19 +253,14 @@ def case_key(case: dict) -> tuple:
     return case["model"], case["batch"], case["prompt"], case["new_tokens"]
 
 
-def earlier_cases(out: Path, report: dict) -> list[dict]:
-    """The cases already in `out` (--resume), when it was measured with this report's identity and peers; a report
-    of other settings is refused (ValueError, one line), so that it is never mixed in or overwritten."""
-    if not out.is_file():
-        return []
-    earlier = json.loads(out.read_text())
+def settings_differ(earlier: dict, report: dict) -> list[str]:
+    """How an earlier report (--resume's --out) was measured otherwise than this one: identity or peers. Its cases
+    join this report only where nothing differs; otherwise they are never mixed in or overwritten."""
     differ = [f"{key} {earlier.get(key)!r} there, {report.get(key)!r} here" for key in RESUME_IDENTITY
               if earlier.get(key) != report.get(key)]
     if earlier.get("grid", {}).get("peers") != report["grid"]["peers"]:
         differ.append(f"peers {earlier.get('grid', {}).get('peers')!r} there, {report['grid']['peers']!r} here")
-    if differ:
-        raise ValueError(f"--resume: {out} was measured otherwise ({'; '.join(differ)}); pass another --out")
-    return earlier["cases"]
+    return differ
 
 
 def run_cases(order: list[tuple], measure: Callable[..., dict], report: dict, budget_s: Optional[float],
@@ -371,11 +366,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     order = case_order(args.models, args.batches, args.prompts, args.new_tokens)
     earlier = json.loads(out.read_text()) if args.resume and out.is_file() else {}
     if earlier:
-        try:
-            report["cases"] = earlier_cases(out, report)
-        except ValueError as error:
-            print(f"decode.py: error: {error}", file=sys.stderr)
+        differ = settings_differ(earlier, report)
+        if differ:
+            print(f"decode.py: error: --resume: {out} was measured otherwise ({'; '.join(differ)}); pass another --out",
+                  file=sys.stderr)
             return 2
+        report["cases"] = earlier["cases"]
         done = {case_key(case) for case in report["cases"]}
         order = [case for case in order if case not in done]
         report["same_tokens_as_eager_mode"] = earlier.get("same_tokens_as_eager_mode", {})
